@@ -1,0 +1,28 @@
+"""mpicomm: collective communication for data-parallel training and HPC jobs.
+
+This module defines the public API. Importing it does not initialise MPI, touch a
+GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
+"""
+from .collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
+                          all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
+from .backends.base import Work
+from .comm import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
+                   get_group_size, get_local_rank, get_local_size, get_rank, get_world_rank_from_group_rank,
+                   init, is_initialized)
+from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
+                     CommunicationError, InvalidArgumentError, MpicommError, NotInitializedError)
+from .ops import ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "finalize", "is_initialized", "get_backend",
+    "get_rank", "get_group_size", "get_local_rank", "get_local_size",
+    "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
+    "ReduceOp", "Work",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+    "send", "recv", "barrier",
+    "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
+    "MpicommError", "NotInitializedError", "BackendUnavailableError", "InvalidArgumentError",
+    "CommunicationError", "CollectiveTimeoutError", "CollectiveMismatchError",
+]

@@ -1,0 +1,94 @@
+"""The one process-wide context: backend, world and named groups, settings."""
+from __future__ import annotations
+
+import os
+
+from .errors import NotInitializedError, invalid
+
+WORLD = "world"
+# MindSpore's names of the world group, accepted everywhere a group name is.
+WORLD_ALIASES = frozenset({WORLD, "nccl_world_group", "hccl_world_group", "mpi_world_group"})
+
+DEFAULT_TIMEOUT = 600.0  # seconds; MPICOMM_TIMEOUT overrides, init(timeout=) wins
+
+
+class Group:
+    """A named set of world ranks with its own MPI communicator and backend communicator."""
+
+    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "impl", "seq", "__weakref__")
+
+    def __init__(self, name, ranks, rank, mpi_comm, impl):
+        self.name = name
+        self.ranks = tuple(ranks)      # world rank of each group rank
+        self.rank = rank               # this process's rank in the group
+        self.size = len(ranks)
+        self.mpi_comm = mpi_comm       # an mpicomm-owned MPI communicator (never the user's)
+        self.impl = impl               # the backend's communicator object
+        self.seq = 0                   # collectives issued on this group so far
+
+    def __repr__(self):
+        return f"Group({self.name!r}, ranks={list(self.ranks)})"
+
+
+class Context:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.initialized = False
+        self.init_key = None
+        self.backend_name = None
+        self.backend = None
+        self.world = None            # Group
+        self.groups = {}             # name -> Group
+        self.local_comm = None
+        self.local_rank = 0
+        self.local_size = 1
+        self.timeout = DEFAULT_TIMEOUT
+        self.debug = False
+        self.abort_on_exception = True
+        self.device_id = None
+        self.hooks = None            # reliability: watchdog / debug checker (mpicomm._reliability)
+
+
+CTX = Context()
+
+
+def require_init(what="this call"):
+    if not CTX.initialized:
+        raise NotInitializedError(
+            f"{what} needs mpicomm.init() first (call mpicomm.init() once at the start of the "
+            "script, after launching it with mpirun)")
+    return CTX
+
+
+def get_group(group):
+    """The :class:`Group` named ``group`` (None or a world alias: the world)."""
+    ctx = CTX
+    if not ctx.initialized:
+        require_init("a collective")
+    if group is None:
+        return ctx.world
+    g = ctx.groups.get(group)
+    if g is None:
+        if group in WORLD_ALIASES:
+            return ctx.world
+        if not isinstance(group, str):
+            raise invalid("group", group, "a group name (str) made by create_group, or None for the world")
+        known = ", ".join(sorted(ctx.groups)) or "none"
+        raise invalid("group", group, f"the world or a group made by create_group (groups on "
+                      f"rank {ctx.world.rank}: {known})")
+    if g.impl is None:
+        raise invalid("group", group, f"a group this rank belongs to (world rank {ctx.world.rank} "
+                      f"is not in {list(g.ranks)})")
+    return g
+
+
+def env_float(name, default):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise invalid(name, v, "a number of seconds") from None

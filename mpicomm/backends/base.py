@@ -1,0 +1,99 @@
+"""What every backend provides, and the handle of an asynchronous collective.
+
+A backend is a factory of per-group communicators. Every communicator has the same
+methods with the same signature, whatever the transport (cupyx.distributed style):
+
+    all_reduce(x, op, out, async_op, stream)      all_gather(x, out, async_op, stream)
+    reduce_scatter(x, op, out, async_op, stream)  broadcast(x, root, async_op, stream)
+    reduce(x, op, root, out, async_op, stream)    all_to_all(x, out, async_op, stream)
+    send(x, dst, tag, async_op, stream)           recv(out, src, tag, async_op, stream)
+    barrier(async_op)                             close()
+
+``op`` is already a :class:`mpicomm.ReduceOp`; ``root``, ``dst`` and ``src`` are group
+ranks. A communicator validates the arrays (dtype, shape, out) itself, since what is
+allowed depends on the transport.
+"""
+from __future__ import annotations
+
+import time
+
+from ..errors import CollectiveTimeoutError
+
+
+class Work:
+    """Handle of a collective started with ``async_op=True``.
+
+    ``wait(timeout=None)`` blocks until it has completed and returns its result
+    (``timeout`` in seconds; None means the timeout given to :func:`mpicomm.init`);
+    ``is_completed()`` tells without blocking.
+    """
+
+    __slots__ = ("_result", "_done", "_what")
+
+    def __init__(self, result, what):
+        self._result = result
+        self._done = False
+        self._what = what
+
+    def _poll(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _finish(self):
+        """Runs once, when the transfer has completed (post-processing, write-back)."""
+
+    def is_completed(self):
+        if not self._done and self._poll():
+            self._finish()
+            self._done = True
+        return self._done
+
+    def wait(self, timeout=None):
+        if not self._done:
+            if timeout is None:
+                from .._state import CTX
+
+                timeout = CTX.timeout
+            self._block(timeout)
+            self._finish()
+            self._done = True
+        return self._result
+
+    def _block(self, timeout):
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not self._poll():
+            spins += 1
+            if spins & 255 == 0:
+                if time.monotonic() > deadline:
+                    self._timed_out(timeout)
+                self._idle()
+
+    def _idle(self):
+        """Between polls: MPI needs polling for progress; GPU work does not."""
+
+    def _timed_out(self, timeout):
+        from .. import _reliability
+
+        raise _reliability.timeout_error(self._what, timeout)
+
+    def __repr__(self):
+        state = "completed" if self._done else "pending"
+        return f"<mpicomm.Work {self._what[0]} {state}>"
+
+
+class Backend:
+    """A transport: makes one communicator per group."""
+
+    name = "base"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def make_comm(self, mpi_comm):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+__all__ = ["Backend", "Work", "CollectiveTimeoutError"]

@@ -1,0 +1,245 @@
+"""init/finalize, ranks and sizes, and named groups (MindSpore's signatures)."""
+from __future__ import annotations
+
+import os
+
+from . import _state
+from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_float, get_group, require_init
+from .backends import get_backend_class, names as backend_names
+from .errors import BackendUnavailableError, InvalidArgumentError, invalid
+
+
+def _pick_backend(backend):
+    if backend is None:
+        backend = os.environ.get("MPICOMM_BACKEND") or None
+    if backend is None:
+        from .topology import gpu_count
+
+        return "nccl" if gpu_count() > 0 else "mpi"
+    if not isinstance(backend, str) or backend.lower() not in backend_names():
+        get_backend_class(backend)  # raises, listing the names
+    return backend.lower()
+
+
+def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
+    """Initialise mpicomm: MPI, the world group and the backend.
+
+    backend: "mpi", "nccl" or None (NCCL where CuPy sees a GPU, else MPI; the
+        environment variable MPICOMM_BACKEND overrides None).
+    timeout: seconds a collective may take before CollectiveTimeoutError (default
+        MPICOMM_TIMEOUT, else 600); 0 disables the watchdog.
+    debug: compare every collective's arguments across ranks first (MPICOMM_DEBUG=1).
+    abort_on_exception: an uncaught exception on any rank aborts the whole job.
+
+    Under NCCL, selects GPU ``local_rank % device_count`` before creating the
+    communicator. Calling init again with the same arguments does nothing; with
+    different ones it raises InvalidArgumentError. Raises BackendUnavailableError
+    when the backend cannot run here (on every rank alike).
+    """
+    if timeout is None:
+        timeout = env_float("MPICOMM_TIMEOUT", _state.DEFAULT_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
+        raise invalid("timeout", timeout, "a number of seconds >= 0 (0 disables the timeout)")
+    if debug is None:
+        debug = os.environ.get("MPICOMM_DEBUG", "0").lower() not in ("", "0", "false", "no", "off")
+    name = _pick_backend(backend)
+    key = (name, float(timeout), bool(debug), bool(abort_on_exception))
+    if CTX.initialized:
+        if key == CTX.init_key:
+            return
+        raise invalid("init arguments", dict(zip(("backend", "timeout", "debug", "abort_on_exception"), key)),
+                      "the same arguments as the first call "
+                      f"{dict(zip(('backend', 'timeout', 'debug', 'abort_on_exception'), CTX.init_key))} "
+                      "(call finalize() first to change them)")
+    from mpi4py import MPI
+
+    from .topology import local_comm
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    world = MPI.COMM_WORLD.Dup()  # the library owns its communicator
+    lcomm = local_comm(world)
+    CTX.local_comm = lcomm
+    CTX.local_rank = lcomm.Get_rank()
+    CTX.local_size = lcomm.Get_size()
+    CTX.timeout = float(timeout)
+    CTX.debug = bool(debug)
+    CTX.abort_on_exception = bool(abort_on_exception)
+    # every rank must pick the same backend, or the first collective would hang
+    picks = world.allgather(name)
+    if len(set(picks)) > 1:
+        world.Free()
+        lcomm.Free()
+        raise InvalidArgumentError(
+            "ranks chose different backends: " + ", ".join(f"rank {r}: {p}" for r, p in enumerate(picks))
+            + "; set MPICOMM_BACKEND (or pass backend=) alike on every rank")
+    err = None
+    try:
+        backend_obj = get_backend_class(name)(CTX)
+    except BackendUnavailableError as e:
+        err = e
+    errs = world.allgather(None if err is None else str(err))
+    if any(errs):
+        world.Free()
+        lcomm.Free()
+        if err is not None:
+            raise err
+        bad = [r for r, e in enumerate(errs) if e]
+        raise BackendUnavailableError(f"backend {name!r} is unavailable on rank(s) {bad}: "
+                                      f"{next(e for e in errs if e)}")
+    CTX.backend_name = name
+    CTX.backend = backend_obj
+    CTX.world = Group(WORLD, range(world.Get_size()), world.Get_rank(), world, backend_obj.make_comm(world))
+    CTX.groups = {}
+    CTX.init_key = key
+    CTX.initialized = True
+    from . import _reliability
+
+    _reliability.install(CTX)
+
+
+def finalize():
+    """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
+    if not CTX.initialized:
+        return
+    from . import _reliability
+
+    _reliability.uninstall(CTX)
+    for g in list(CTX.groups.values()) + [CTX.world]:
+        if g.impl is not None:
+            g.impl.close()
+        if g.mpi_comm is not None:
+            g.mpi_comm.Free()
+    if CTX.local_comm is not None:
+        CTX.local_comm.Free()
+    if CTX.backend is not None:
+        CTX.backend.close()
+    CTX.reset()
+
+
+def is_initialized():
+    """True between init() and finalize()."""
+    return CTX.initialized
+
+
+def get_backend():
+    """The backend in use: "mpi" or "nccl"."""
+    return require_init("get_backend()").backend_name
+
+
+def get_rank(group=None):
+    """This process's rank in ``group`` (default: the world)."""
+    return get_group(group).rank
+
+
+def get_group_size(group=None):
+    """The number of ranks in ``group`` (default: the world)."""
+    return get_group(group).size
+
+
+def get_local_rank():
+    """This process's rank among the ranks on its host."""
+    return require_init("get_local_rank()").local_rank
+
+
+def get_local_size():
+    """The number of ranks on this host."""
+    return require_init("get_local_size()").local_size
+
+
+def get_world_rank_from_group_rank(group, group_rank_id):
+    """The world rank of rank ``group_rank_id`` of ``group``."""
+    g = _any_group(group)
+    if isinstance(group_rank_id, bool) or not isinstance(group_rank_id, int) \
+            or not 0 <= group_rank_id < g.size:
+        raise invalid("group_rank_id", group_rank_id, f"a rank of group {g.name!r} in 0..{g.size - 1}")
+    return g.ranks[group_rank_id]
+
+
+def get_group_rank_from_world_rank(world_rank_id, group):
+    """The rank in ``group`` of world rank ``world_rank_id``."""
+    g = _any_group(group)
+    if world_rank_id not in g.ranks or isinstance(world_rank_id, bool):
+        raise invalid("world_rank_id", world_rank_id, f"a world rank in group {g.name!r}: {list(g.ranks)}")
+    return g.ranks.index(world_rank_id)
+
+
+def _any_group(group):
+    """A group by name, also on ranks that are not in it."""
+    ctx = require_init("this call")
+    if group is None or (group in WORLD_ALIASES and group not in ctx.groups):
+        return ctx.world
+    g = ctx.groups.get(group) if isinstance(group, str) else None
+    if g is None:
+        raise invalid("group", group, "the world or a group made by create_group (known: "
+                      + (", ".join(sorted(ctx.groups)) or "none") + ")")
+    return g
+
+
+def create_group(group, rank_ids):
+    """Create the named group ``group`` of world ranks ``rank_ids`` (collective over the world).
+
+    Every rank calls it with the same arguments, members and non-members alike; group
+    rank i is world rank ``rank_ids[i]``. Raises InvalidArgumentError on every rank for
+    an empty or duplicate name, a world alias, an empty list, duplicates or ranks out of
+    range, and when ranks pass different arguments.
+    """
+    ctx = require_init("create_group()")
+    world = ctx.world
+    n = world.size
+    err = None
+    if not isinstance(group, str) or not group:
+        err = invalid("group", group, "a non-empty string naming the new group")
+    elif group in WORLD_ALIASES:
+        err = invalid("group", group, f"a name other than the world's ({', '.join(sorted(WORLD_ALIASES))})")
+    elif group in ctx.groups:
+        err = invalid("group", group, "a name not in use (destroy_group it first)")
+    else:
+        try:
+            ids = [int(r) for r in rank_ids]
+            if any(isinstance(r, bool) or int(r) != r for r in rank_ids):
+                raise TypeError
+        except (TypeError, ValueError):
+            ids = None
+            err = invalid("rank_ids", rank_ids, f"a list of world ranks (ints in 0..{n - 1})")
+        if ids is not None:
+            if not ids:
+                err = invalid("rank_ids", rank_ids, "a non-empty list of world ranks")
+            elif len(set(ids)) != len(ids):
+                dup = sorted({r for r in ids if ids.count(r) > 1})
+                err = invalid("rank_ids", rank_ids, f"distinct world ranks (duplicated: {dup})")
+            elif any(not 0 <= r < n for r in ids):
+                bad = [r for r in ids if not 0 <= r < n]
+                err = invalid("rank_ids", rank_ids, f"world ranks in 0..{n - 1} (out of range: {bad})")
+    # agree first: every rank raises alike, none is left waiting in Create
+    mine = (repr(group), None if err else tuple(ids), None if err is None else str(err))
+    allv = world.mpi_comm.allgather(mine)
+    if err is not None:
+        raise err
+    if any(v != mine for v in allv):
+        raise invalid("create_group arguments", (group, list(rank_ids)),
+                      "the same (group, rank_ids) on every rank; got: "
+                      + "; ".join(f"rank {r}: {v[0]}, {list(v[1]) if v[1] else v[2]}" for r, v in enumerate(allv)))
+    from mpi4py import MPI
+
+    sub = world.mpi_comm.Create(world.mpi_comm.Get_group().Incl(ids))
+    if sub == MPI.COMM_NULL:
+        ctx.groups[group] = Group(group, ids, None, None, None)
+        return
+    ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_comm(sub))
+
+
+def destroy_group(group):
+    """Destroy a group made by create_group (collective over the world, like create_group)."""
+    ctx = require_init("destroy_group()")
+    if group in WORLD_ALIASES and group not in ctx.groups:
+        raise invalid("group", group, "a group made by create_group (the world cannot be destroyed)")
+    if not isinstance(group, str) or group not in ctx.groups:
+        raise invalid("group", group, "a group made by create_group (known: "
+                      + (", ".join(sorted(ctx.groups)) or "none") + ")")
+    g = ctx.groups.pop(group)
+    ctx.world.mpi_comm.Barrier()
+    if g.impl is not None:
+        g.impl.close()
+    if g.mpi_comm is not None:
+        g.mpi_comm.Free()

@@ -1,0 +1,75 @@
+"""Shared fixtures. MPI tests are marked ``@pytest.mark.mpi`` and run under mpirun at
+1, 2 and 4 ranks (scripts/test.sh); unmarked tests run once, without mpirun."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_report_header(config):
+    try:
+        from mpi4py import MPI
+
+        if not MPI.Is_initialized():
+            return None
+        c = MPI.COMM_WORLD
+        lib = MPI.Get_library_version().splitlines()[0].strip()
+        return f"mpicomm tests: rank {c.Get_rank()} of {c.Get_size()}; {lib}; mpi4py {__import__('mpi4py').__version__}"
+    except Exception:
+        return None
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """mpicomm initialised once for the session (backend from MPICOMM_BACKEND or auto)."""
+    import mpicomm
+
+    mpicomm.init()
+    yield mpicomm
+    # finalize is left to interpreter exit: other tests may still hold groups
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by rank and test name: different data on every rank."""
+    import zlib
+
+    import mpicomm
+
+    rank = mpicomm.get_rank() if mpicomm.is_initialized() else 0
+    return np.random.default_rng([rank, zlib.crc32(request.node.name.encode())])
+
+
+def rank_rng(rank, name):
+    """The generator a given rank's ``rng`` fixture would give (for computing expectations)."""
+    import zlib
+
+    return np.random.default_rng([rank, zlib.crc32(name.encode())])
+
+
+def clean_mpi_env(extra=None):
+    """Environment for a child mpirun started from inside a test (no inherited MPI job)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if os.geteuid() == 0:
+        env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+        env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    env["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
+    env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def mpirun_argv(n, *args):
+    """argv for ``mpirun -n N python ARGS`` with the flags this machine needs."""
+    import shutil
+
+    mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return [mpirun, "--oversubscribe", "-n", str(n), sys.executable, *args]
