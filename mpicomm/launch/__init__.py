@@ -1,0 +1,13 @@
+"""Launching jobs: hostfile parsing and validation, mpirun discovery and argv building.
+
+The command-line front end is :mod:`mpicomm.run` (``mpicomm-run``).
+"""
+from mpicomm.launch.hostfile import (Host, HostfileError, check_capacity,
+                                     parse_host_list, parse_hostfile, parse_hostfile_text)
+from mpicomm.launch.mpirun import (Flavour, MpirunNotFoundError, UnknownMpiError,
+                                   build_command, detect_flavour, find_mpirun,
+                                   parse_version_output)
+
+__all__ = ["Host", "HostfileError", "check_capacity", "parse_host_list", "parse_hostfile",
+           "parse_hostfile_text", "Flavour", "MpirunNotFoundError", "UnknownMpiError",
+           "build_command", "detect_flavour", "find_mpirun", "parse_version_output"]
