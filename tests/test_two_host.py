@@ -1,0 +1,138 @@
+"""A real two-host job: 2 network namespaces x 2 slots, ranks started over ssh.
+
+scripts/netns_cluster.sh makes node1 and node2 (own addresses, host names and sshd);
+mpicomm-run is started on node1 with the hostfile naming both, so the ranks on node2
+get nothing but what is forwarded through ssh. Needs root, iproute2, util-linux and
+openssh-server; skipped, with the reason, where they are missing.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, run_cli, spawns_mpirun,
+                            world_size_from_env)
+
+SCRIPT = os.path.join(ROOT, "scripts", "netns_cluster.sh")
+STATE = "/run/mpicomm-netns-test"
+NODES = ["node1", "node2"]
+
+
+def _why_not():
+    if os.geteuid() != 0:
+        return f"needs root to create network namespaces (uid {os.geteuid()})"
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"),
+                          ("nsenter", "util-linux"), ("ssh", "openssh-client"),
+                          ("ssh-keygen", "openssh-client")):
+        if shutil.which(tool) is None:
+            return f"no '{tool}' (apt-get install -y {package})"
+    if shutil.which("sshd") is None and not os.path.exists("/usr/sbin/sshd"):
+        return "no sshd (apt-get install -y openssh-server)"
+    if not have_mpirun():
+        return "no mpirun on PATH"
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True,
+                           text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    return None
+
+
+WHY_NOT = _why_not() if world_size_from_env() == 1 else "spawns its own mpirun"
+
+RANK_SCRIPT = r'''
+import json, os, socket, sys
+import numpy as np
+import mpicomm
+
+mpicomm.init(backend="mpi")
+rank, size = mpicomm.get_rank(), mpicomm.get_group_size()
+x = np.arange(6, dtype=np.float64) * (rank + 1) + rank
+total = mpicomm.all_reduce(x)
+name = np.frombuffer(socket.gethostname().encode().ljust(64, b" "), dtype=np.uint8)
+names = mpicomm.all_gather(name.reshape(1, 64))
+env = np.frombuffer(
+    (os.environ.get("MPICOMM_TWOHOST_AUTO", "-") + "|" + os.environ.get("TWOHOST_X", "-"))
+    .encode().ljust(64, b" "), dtype=np.uint8)
+envs = mpicomm.all_gather(env.reshape(1, 64))
+local = np.array([mpicomm.get_local_size(), mpicomm.get_local_rank()], dtype=np.int64)
+locals_ = mpicomm.all_gather(local.reshape(1, 2))
+if rank == 0:
+    print("RESULT " + json.dumps({
+        "size": size, "sum": total.tolist(),
+        "hosts": [bytes(r).decode().strip() for r in names],
+        "envs": [bytes(r).decode().strip() for r in envs],
+        "local": locals_.tolist()}), flush=True)
+mpicomm.finalize()
+'''
+
+
+def _cluster(*args, timeout=120):
+    env = dict(os.environ, MPICOMM_NETNS_STATE=STATE)
+    return subprocess.run(["bash", SCRIPT, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _on_node1(argv, env, timeout):
+    """Run argv on node1 (its network, host name and /etc), as a user logged in there."""
+    env = dict(env, MPICOMM_NETNS_STATE=STATE)
+    return subprocess.run(["bash", SCRIPT, "exec", "node1", *argv], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@spawns_mpirun
+@pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+@pytest.mark.timeout(600)
+def test_two_host_job(tmp_path):
+    try:
+        up = _cluster("up")
+        assert up.returncode == 0, up.stderr
+        hostfile = up.stdout.strip().splitlines()[-1]
+        assert hostfile == f"{STATE}/hostfile"
+        script = tmp_path / "two_host.py"
+        script.write_text(RANK_SCRIPT)
+        env = clean_mpi_env({"MPICOMM_TWOHOST_AUTO": "auto-7"})
+        logs = tmp_path / "logs"
+        proc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
+                                 "-x", "TWOHOST_X=given", "--log-dir", str(logs), str(script)),
+                         env, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        assert len(lines) == 1, proc.stdout
+        result = json.loads(lines[0][len("RESULT "):])
+
+        assert result["size"] == 4
+        expected = sum(np.arange(6, dtype=np.float64) * (r + 1) + r for r in range(4))
+        assert result["sum"] == expected.tolist()
+        # Slots fill in hostfile order: ranks 0, 1 on node1 and 2, 3 on node2.
+        assert result["hosts"] == ["node1", "node1", "node2", "node2"]
+        assert len(set(result["hosts"])) == 2 and socket.gethostname() not in result["hosts"]
+        # Forwarded through ssh: node2's ranks never saw the launcher's environment.
+        assert result["envs"] == ["auto-7|given"] * 4
+        assert result["local"] == [[2, 0], [2, 1], [2, 0], [2, 1]]
+        assert sorted(os.listdir(logs)) == [f"rank.{r}" for r in range(4)]
+
+        doc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
+                                "-m", "mpicomm.tools.doctor", "--json"), env, timeout=300)
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        report = json.loads(doc.stdout[doc.stdout.index("{"):])
+        assert [r["host"] for r in report["ranks"]] == ["node1", "node1", "node2", "node2"]
+        assert [r["local_rank"] for r in report["ranks"]] == [0, 1, 0, 1]
+        assert report["problems"] == []
+
+        if importlib.util.find_spec("mpicomm.tools.smoke") is not None:
+            smoke = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "400",
+                                      "-m", "mpicomm.tools.smoke", "--quick"), env, timeout=450)
+            assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    finally:
+        down = _cluster("down")
+        assert down.returncode == 0, down.stderr
+        assert not os.path.exists(STATE)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                timeout=30).stdout
+        assert "mpicomm-" not in listed
