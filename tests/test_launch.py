@@ -368,3 +368,16 @@ def test_errors_start_nothing(tmp_path):
     assert proc.returncode == 2
     assert "--mpirun '/nonexistent/mpirun': no executable file there" in proc.stderr
     assert not marker.exists()
+
+
+def test_shipped_hostfiles_parse():
+    folder = os.path.join(ROOT, "hostfiles")
+    parsed = {name: hf.parse_hostfile(os.path.join(folder, name))
+              for name in sorted(os.listdir(folder))}
+    assert parsed == {
+        "localhost": [Host("localhost", 2)],
+        "mpich_style.example": [Host("node1", 4), Host("node2", 4)],
+        "oversubscribe.example": [Host("localhost", 2, 4)],
+        "slurm.example": [Host("gpu-a001", 4), Host("gpu-a002", 4)],
+        "two_nodes.example": [Host("node1", 8), Host("node2", 8)],
+    }
