@@ -175,7 +175,10 @@ def main(argv=None):
     """Parse the command line, check it, and run the job; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     options, words = split_argv(argv)
-    args = _parser().parse_args(options)  # exits 2 with a usage message on bad options
+    try:
+        args = _parser().parse_args(options)
+    except SystemExit as exc:  # argparse printed usage (or --help); hand back its status
+        return exc.code
     try:
         nprocs = _positive_number(args.n, "-n", int)
         timeout = None if args.timeout is None else \

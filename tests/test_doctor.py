@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from launch_support import clean_mpi_env, have_mpirun, run_cli, spawns_mpirun
+from launch_support import (clean_mpi_env, have_mpirun, run_cli, spawns_mpirun,
+                            world_size_from_env)
 from mpicomm.tools import doctor
 
 BUS = ["0000:18:00.0", "0000:2A:00.0"]
@@ -147,3 +148,46 @@ def test_doctor_table_without_gpu():
     assert [b[:6] for b in body] == [[host, "0", "0", "mpi", "-", "-"],
                                     [host, "1", "1", "mpi", "-", "-"]]
     assert lines[-1] == "ok: no problems found"
+
+
+def _gpu_count():
+    probe = subprocess.run([sys.executable, "-c",
+                            "import cupy; print(cupy.cuda.runtime.getDeviceCount())"],
+                           capture_output=True, text=True, timeout=120)
+    return int(probe.stdout) if probe.returncode == 0 and probe.stdout.strip().isdigit() else 0
+
+
+GPUS = _gpu_count() if world_size_from_env() == 1 else 0
+
+
+def _doctor_json(n, extra_env):
+    proc = subprocess.run(run_cli("-n", str(n), "--oversubscribe", "-m", "mpicomm.tools.doctor",
+                                  "--json"), env=clean_mpi_env(extra_env),
+                          capture_output=True, text=True, timeout=300)
+    return proc, json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+
+
+@pytest.mark.gpu
+@spawns_mpirun
+@pytest.mark.skipif(GPUS < 1, reason="needs a GPU that CuPy sees")
+def test_doctor_two_ranks_forced_onto_one_gpu():
+    proc, report = _doctor_json(2, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert proc.returncode == 1, proc.stderr
+    rows = report["ranks"]
+    assert [r["gpu"] for r in rows] == [0, 0] and rows[0]["pci_bus_id"] == rows[1]["pci_bus_id"]
+    assert any(p.startswith("two or more ranks on one GPU: ranks 0, 1 on host ")
+               for p in report["problems"])
+    assert any(p.startswith("more ranks than GPUs on host ") for p in report["problems"])
+
+
+@pytest.mark.gpu
+@spawns_mpirun
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs that CuPy sees")
+def test_doctor_one_rank_per_gpu_is_healthy():
+    proc, report = _doctor_json(2, {})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = report["ranks"]
+    assert [r["gpu"] for r in rows] == [0, 1]
+    assert len({r["pci_bus_id"] for r in rows}) == 2
+    assert all(r["backend"] == "nccl" and r["nccl"] and r["cupy"] for r in rows)
+    assert report["problems"] == []

@@ -381,3 +381,10 @@ def test_shipped_hostfiles_parse():
         "slurm.example": [Host("gpu-a001", 4), Host("gpu-a002", 4)],
         "two_nodes.example": [Host("node1", 8), Host("node2", 8)],
     }
+
+
+def test_bad_option_returns_usage_status(capsys):
+    assert cli.main(["-n", "1", "--hostfile", "a", "-H", "b", "x.py"]) == 2
+    assert "argument -H/--host: not allowed with argument --hostfile" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    assert "--log-dir DIR" in capsys.readouterr().out

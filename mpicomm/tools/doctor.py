@@ -219,7 +219,10 @@ def _parser():
 
 def main(argv=None):
     """Gather every rank's facts on rank 0, report, and return 1 on serious problems."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # argparse printed usage (or --help); hand back its status
+        return exc.code
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
