@@ -249,4 +249,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every rank agrees on the status, so end MPI cleanly first: under `python -m mpi4py`
+    # (as mpicomm-run starts it) a non-zero exit with MPI still up becomes MPI_Abort.
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    sys.exit(code)
