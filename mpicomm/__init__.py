@@ -15,6 +15,25 @@ from .ops import ReduceOp
 
 __version__ = "0.1.0"
 
+# Data-parallel training helpers, imported on first use (mpicomm.DistributedGradReducer, ...).
+_LAZY = {
+    "DistributedGradReducer": "buckets", "all_reduce_coalesced": "buckets",
+    "broadcast_parameters": "buckets",
+    "set_auto_parallel_context": "context", "get_auto_parallel_context": "context",
+    "reset_auto_parallel_context": "context",
+    "DistributedSampler": "sampler",
+}
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mpicomm' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+
 __all__ = [
     "init", "finalize", "is_initialized", "get_backend",
     "get_rank", "get_group_size", "get_local_rank", "get_local_size",
@@ -25,4 +44,5 @@ __all__ = [
     "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "MpicommError", "NotInitializedError", "BackendUnavailableError", "InvalidArgumentError",
     "CommunicationError", "CollectiveTimeoutError", "CollectiveMismatchError",
+    *_LAZY,
 ]

@@ -91,10 +91,7 @@ class MPIComm:
         if type(x) is np.ndarray and x.flags.c_contiguous:
             back = None
         else:
-            orig = x
             x, back = to_host(x)
-            if out is orig:
-                out = orig
         info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
         mop = self._mpi_op(op, info)
         comm = self.comm
@@ -251,7 +248,7 @@ class MPIComm:
     def recv(self, out, src, tag, async_op, stream=None):
         src = self._peer(src, "src")
         if type(out) is np.ndarray:
-            o, wb = host_out(out, out.shape, out.dtype), None
+            o, wb = host_out(out, out.shape, out.dtype)
         else:
             h, _ = to_host(out, "out")
             o, wb = host_out(out, h.shape, h.dtype)
