@@ -1,0 +1,126 @@
+"""init/finalize, topology getters, groups and rank conversion (MindSpore's signatures)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpicomm
+
+mpi = pytest.mark.mpi
+
+
+def test_import_has_no_side_effects():
+    """Importing mpicomm initialises neither MPI nor a GPU and prints nothing."""
+    code = ("import sys, mpicomm; "
+            "assert 'mpi4py.MPI' not in sys.modules, 'MPI imported'; "
+            "assert 'cupy' not in sys.modules, 'cupy imported'; "
+            "assert not mpicomm.is_initialized()")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and r.stderr == ""
+
+
+@mpi
+def test_init_twice_same_args_is_harmless_different_is_error(comm):
+    backend = mpicomm.get_backend()
+    mpicomm.init()  # same arguments: nothing happens
+    mpicomm.init(backend)
+    assert mpicomm.is_initialized() and mpicomm.get_backend() == backend
+    with pytest.raises(mpicomm.InvalidArgumentError, match="same arguments"):
+        mpicomm.init(backend, timeout=12345)
+
+
+@mpi
+def test_ranks_sizes_and_local(comm):
+    from mpi4py import MPI
+
+    w = MPI.COMM_WORLD
+    assert mpicomm.get_rank() == w.Get_rank()
+    assert mpicomm.get_group_size() == w.Get_size()
+    assert mpicomm.get_rank("nccl_world_group") == w.Get_rank()  # MindSpore's world names
+    assert mpicomm.get_group_size("hccl_world_group") == w.Get_size()
+    # every rank of this job is on one host here: the local view equals the world's,
+    # computed independently from the host names
+    hosts = w.allgather(MPI.Get_processor_name())
+    me = hosts[w.Get_rank()]
+    assert mpicomm.get_local_size() == hosts.count(me)
+    assert mpicomm.get_local_rank() == [i for i, h in enumerate(hosts) if h == me].index(w.Get_rank())
+
+
+@mpi
+def test_user_comm_world_traffic_does_not_match_mpicomm(comm):
+    """mpicomm owns a clone of COMM_WORLD: a user's pending message is not consumed."""
+    from mpi4py import MPI
+
+    w = MPI.COMM_WORLD
+    n, me = w.Get_size(), w.Get_rank()
+    req = w.isend(("user", me), dest=(me + 1) % n, tag=0)
+    total = mpicomm.all_reduce(np.array([me + 1], np.int64))
+    assert total[0] == n * (n + 1) // 2
+    assert w.recv(source=(me - 1) % n, tag=0) == ("user", (me - 1) % n)
+    req.wait()
+
+
+@mpi
+def test_groups_rank_conversion(comm):
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    ranks = list(range(n))[::-2]  # e.g. [3, 1] at 4 ranks, [1] at 2, [0] at 1
+    mpicomm.create_group("odd_desc", ranks)
+    try:
+        for i, w in enumerate(ranks):
+            assert mpicomm.get_world_rank_from_group_rank("odd_desc", i) == w
+            assert mpicomm.get_group_rank_from_world_rank(w, "odd_desc") == i
+        if me in ranks:
+            assert mpicomm.get_rank("odd_desc") == ranks.index(me)
+            assert mpicomm.get_group_size("odd_desc") == len(ranks)
+            s = mpicomm.all_reduce(np.array([me], np.int64), group="odd_desc")
+            assert s[0] == sum(ranks)
+        else:
+            with pytest.raises(mpicomm.InvalidArgumentError, match="not in"):
+                mpicomm.all_reduce(np.array([me]), group="odd_desc")
+        with pytest.raises(mpicomm.InvalidArgumentError, match="group_rank_id"):
+            mpicomm.get_world_rank_from_group_rank("odd_desc", len(ranks))
+        outside = [r for r in range(n) if r not in ranks]
+        if outside:
+            with pytest.raises(mpicomm.InvalidArgumentError, match="world_rank_id"):
+                mpicomm.get_group_rank_from_world_rank(outside[0], "odd_desc")
+    finally:
+        mpicomm.destroy_group("odd_desc")
+    with pytest.raises(mpicomm.InvalidArgumentError, match="odd_desc"):
+        mpicomm.get_rank("odd_desc")
+
+
+@mpi
+def test_work_handle(comm):
+    n = mpicomm.get_group_size()
+    x = np.arange(10, dtype=np.float64) * (mpicomm.get_rank() + 1)
+    w = mpicomm.all_reduce(x, async_op=True)
+    res = w.wait(timeout=60)
+    assert w.is_completed()
+    np.testing.assert_allclose(res, np.arange(10) * n * (n + 1) / 2)
+    assert w.wait() is res
+    assert "completed" in repr(w)
+
+
+def test_reduceop_names():
+    assert mpicomm.ReduceOp.SUM == "sum"
+    from mpicomm.ops import as_op
+
+    assert as_op("MAX") is mpicomm.ReduceOp.MAX and as_op("avg") is mpicomm.ReduceOp.AVG
+    with pytest.raises(mpicomm.InvalidArgumentError, match="op='bogus'.*SUM"):
+        as_op("bogus")
+
+
+def test_nccl_unique_id_forms():
+    """CuPy >= 14 gives the NCCL id as bytes, older CuPy as a tuple of ints: accept both."""
+    from mpicomm.backends.nccl import as_uid
+
+    raw = bytes(range(120, 248))
+    as_tuple = tuple(v - 256 if v > 127 else v for v in raw)
+    assert as_uid(raw, like=b"") == raw
+    assert as_uid(as_tuple, like=b"") == raw
+    assert as_uid(raw, like=(0,)) == as_tuple
+    assert as_uid(list(as_tuple), like=(0,)) == as_tuple
