@@ -1,0 +1,228 @@
+"""The collectives on GPU arrays under the NCCL backend: CuPy arrays and PyTorch CUDA
+tensors, world and sub-group, sync and async, default and explicit streams. Skipped
+(on every rank alike) where the backend is not NCCL; run on the 2-GPU machine."""
+import numpy as np
+import pytest
+
+import mpicomm
+from mpicomm import ReduceOp
+from test_collectives import allowed, data, reduce_np, sub_ranks
+
+pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
+
+DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64", "complex64"]
+
+
+@pytest.fixture(scope="module")
+def nccl(comm):
+    if mpicomm.get_backend() != "nccl":
+        pytest.skip("needs the NCCL backend (a GPU and CuPy)")
+    if "grev" not in mpicomm.comm.CTX.groups:
+        mpicomm.create_group("grev", sub_ranks(mpicomm.get_group_size()))
+    return "grev"
+
+
+class Cupy:
+    name = "cupy"
+
+    def ok(self, dt):
+        return dt != "bfloat16"  # CuPy has no bfloat16 arrays
+
+    def to(self, a):
+        import cupy
+
+        return cupy.asarray(a)
+
+    def host(self, a):
+        return a.get()
+
+    def stream(self):
+        import cupy
+
+        return cupy.cuda.Stream(non_blocking=True)
+
+
+class Torch:
+    name = "torch"
+
+    def ok(self, dt):
+        return True
+
+    def to(self, a):
+        import torch
+
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).cuda()
+        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    def host(self, a):
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return a.float().cpu().numpy().astype(ml_dtypes.bfloat16)
+        return a.cpu().numpy()
+
+    def stream(self):
+        import torch
+
+        return torch.cuda.Stream()
+
+
+def kinds():
+    out = []
+    try:
+        import cupy  # noqa: F401
+
+        out.append(Cupy())
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out.append(Torch())
+    except ImportError:
+        pass
+    return out
+
+
+def close(a, b):
+    dt = b.dtype
+    if dt.kind in "iu":
+        np.testing.assert_array_equal(a, b)
+    else:
+        tol = 1e-2 if dt.itemsize == 2 else 1e-6
+        wide = np.complex128 if dt.kind == "c" else np.float64
+        np.testing.assert_allclose(np.asarray(a).astype(wide), b.astype(wide), rtol=tol, atol=tol)
+
+
+def members(group):
+    return list(mpicomm.comm.CTX.groups[group].ranks) if group else list(range(mpicomm.get_group_size()))
+
+
+def synced(result, k):
+    if k.name == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+    else:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+    return result
+
+
+@pytest.mark.parametrize("which", ["world", "sub"])
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_gpu_collectives(nccl, which, async_op, request):
+    group = None if which == "world" else nccl
+    world = members(group)
+    me_w = mpicomm.get_rank()
+    if me_w not in world:
+        return
+    me, n = mpicomm.get_rank(group), len(world)
+    checked = 0
+
+    def go(fn, *a, **kw):
+        if async_op:
+            return fn(*a, async_op=True, **kw).wait()
+        return synced(fn(*a, **kw), k)
+
+    for k in kinds():
+        for dt in DTYPES:
+            if not k.ok(dt):
+                continue
+            ndt = np.dtype(dt) if dt != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
+            for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG):
+                if not allowed(op, ndt):
+                    continue
+                key = f"{request.node.name}{k.name}{dt}{op.value}"
+                shape = (2 * n, 3)
+                xs = [data(r, key, shape, ndt, op) for r in world]
+                x = k.to(xs[world.index(me_w)])
+                full = reduce_np(xs, op)
+                r = go(mpicomm.all_reduce, x, op, group=group)
+                assert type(r) is type(x)
+                close(k.host(r), full)
+                close(k.host(go(mpicomm.reduce_scatter, x, op, group=group)), full[2 * me:2 * me + 2])
+                red = go(mpicomm.reduce, x, op, root=n - 1, group=group)
+                if me == n - 1:
+                    close(k.host(red), full)
+                else:
+                    assert red is None
+                checked += 1
+            key = f"{request.node.name}{k.name}{dt}"
+            xs = [data(r, key, (2 * n, 2), ndt) for r in world]
+            x = k.to(xs[world.index(me_w)])
+            close(k.host(go(mpicomm.all_gather, x, group=group)), np.concatenate(xs))
+            close(k.host(go(mpicomm.all_to_all, x, group=group)),
+                  np.concatenate([a[2 * me:2 * me + 2] for a in xs]))
+            b = k.to(xs[world.index(me_w)])
+            go(mpicomm.broadcast, b, root=0, group=group)
+            close(k.host(b), xs[0])
+    assert checked > 0
+
+
+def test_gpu_in_place_out_and_explicit_stream(nccl, request):
+    n = mpicomm.get_group_size()
+    for k in kinds():
+        key = request.node.name + k.name
+        xs = [data(r, key, (1000,), np.float32) for r in range(n)]
+        x = k.to(xs[mpicomm.get_rank()])
+        s = k.stream()
+        r = mpicomm.all_reduce(x, out=x, stream=s)
+        assert r is x
+        s.synchronize()
+        close(k.host(x), reduce_np(xs, ReduceOp.SUM))
+        out = k.to(np.zeros(1000 * n, np.float32))
+        assert mpicomm.all_gather(k.to(xs[mpicomm.get_rank()]), out=out) is out
+        synced(None, k)
+        close(k.host(out), np.concatenate(xs))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpu_send_recv(nccl, request):
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    for k in kinds():
+        key = request.node.name + k.name
+        x = k.to(data(me, key, (33,), np.float64))
+        out = k.to(np.zeros(33))
+        dst, src = (me + 1) % n, (me - 1) % n
+        if me % 2 == 0:
+            mpicomm.send(x, dst)
+            mpicomm.recv(out, src)
+        else:
+            mpicomm.recv(out, src)
+            mpicomm.send(x, dst)
+        synced(None, k)
+        close(k.host(out), data(src, key, (33,), np.float64))
+
+
+def test_gpu_zero_size_and_numpy_on_nccl(nccl, request):
+    """Zero-size GPU arrays work; NumPy arrays on the NCCL backend take the MPI path."""
+    import cupy
+
+    n = mpicomm.get_group_size()
+    z = mpicomm.all_reduce(cupy.zeros((0, 3), cupy.float32))
+    assert z.shape == (0, 3)
+    key = request.node.name
+    h = mpicomm.all_reduce(data(mpicomm.get_rank(), key, (5,), np.int64))
+    assert isinstance(h, np.ndarray)
+    np.testing.assert_array_equal(h, sum(data(r, key, (5,), np.int64) for r in range(n)))
+
+
+def test_gpu_errors(nccl):
+    import cupy
+
+    with pytest.raises(mpicomm.InvalidArgumentError, match="op"):
+        mpicomm.all_reduce(cupy.arange(4, dtype=cupy.int32), op=ReduceOp.AVG)
+    n = mpicomm.get_group_size()
+    with pytest.raises(mpicomm.InvalidArgumentError, match="out.shape"):
+        mpicomm.all_gather(cupy.ones(3), out=cupy.empty(3 * n + 1))
+    with pytest.raises(mpicomm.InvalidArgumentError, match="root"):
+        mpicomm.broadcast(cupy.ones(3), root=n)
+    if n > 1:
+        with pytest.raises(mpicomm.InvalidArgumentError, match="divisible"):
+            mpicomm.reduce_scatter(cupy.ones(n + 1))
