@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
+# registry there: run from the source tree; missing test plugins come as wheels in .whl/).
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor]...
+# Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
+# JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PY:-python3}
+if ! "$PY" -c "import pytest_mpi, pytest_timeout, ml_dtypes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        $(ls .whl/pytest_mpi-*.whl .whl/pytest_timeout-*.whl .whl/ml_dtypes-*.whl 2>/dev/null) >/dev/null 2>&1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+MPIRUN=${MPIRUN:-mpirun}
+LOG=$OUT/gpu_log.txt
+SUM=$OUT/gpu_summary.txt
+MPI=("$MPIRUN" --allow-run-as-root --oversubscribe -x PYTHONPATH -x NCCL_NVLS_ENABLE
+     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED -n)
+step() {  # step NAME LIMIT_S CMD...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "======== $name: $*" >>"$LOG"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    printf '%-28s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUM"
+}
+{
+    echo "date: $(date -u +%FT%TZ)"; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5
+    "$PY" -c "import sys, numpy, cupy, mpi4py; from mpi4py import MPI; from cupy.cuda import nccl
+print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'cupy', cupy.__version__, 'mpi4py', mpi4py.__version__)
+print('nccl', nccl.get_version(), '|', MPI.Get_library_version().splitlines()[0])
+try:
+    import torch; print('torch', torch.__version__)
+except Exception as e: print('torch missing', e)"
+} >>"$OUT/gpu_summary.txt" 2>&1
+PYT=("$PY" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi")
+want() { [ "$#" = 0 ] && return 0; for w in "${SECTIONS[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
+SECTIONS=("${@:-all}")
+
+if want core || want tests; then
+    step "gpu-tests-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" -x tests/test_gpu.py tests/test_collectives.py tests/test_api.py
+fi
+if want tests; then
+    for f in tests/test_buckets.py tests/test_errors.py; do
+        [ -f "$f" ] && step "$(basename "$f" .py)-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" "$f"
+    done
+fi
+if want smoke && "$PY" -c "import mpicomm.tools.smoke" 2>/dev/null; then
+    step "smoke-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.smoke
+fi
+if want doctor && [ -f mpicomm/tools/doctor.py ]; then
+    step "doctor" 120 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.doctor
+    step "doctor-one-gpu(expect rc=1)" 120 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mpicomm.run -n 2 -m mpicomm.tools.doctor
+fi
+if want train && [ -f scripts/train_data_parallel.py ]; then
+    step "train-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/train_data_parallel.py
+fi
+if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
+    for c in all_reduce all_gather reduce_scatter broadcast; do
+        step "bench-$c" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.bench --coll "$c" -b 8 -e 1G -f 2 --compare \
+            --json "$OUT/bench_$c.json"
+    done
+    step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.bench --coll buckets --compare
+fi
+echo "done" >>"$SUM"
