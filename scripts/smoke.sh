@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job: the collective smoke test over N ranks (default 4), NCCL where GPUs are,
+# MPI and NumPy otherwise. Sets up .venv on a fresh machine first.
+#   scripts/smoke.sh            4 ranks, full
+#   scripts/smoke.sh 2 --quick  N ranks, extra arguments go to mpicomm-smoke
+set -euo pipefail
+source "$(dirname "$0")/_env.sh"
+n=${1:-4}
+shift || true
+exec "$MPIRUN" "${MPIRUN_FLAGS[@]}" -n "$n" "$PY" -m mpicomm.tools.smoke "$@"
