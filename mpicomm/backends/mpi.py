@@ -15,12 +15,15 @@ _F32 = np.dtype(np.float32)
 
 
 class MPIWork(Work):
-    __slots__ = ("_reqs", "_post")
+    __slots__ = ("_reqs", "_post", "_keep")
 
-    def __init__(self, reqs, result, post, what):
+    def __init__(self, reqs, result, post, what, keep=None):
         super().__init__(result, what)
         self._reqs = reqs
         self._post = post
+        # mpi4py does not keep a nonblocking collective's buffers alive: hold them (and any
+        # temporary, e.g. the float32 copy of float16 data) until the Work is dropped
+        self._keep = keep
 
     def _poll(self):
         return MPI.Request.Testall(self._reqs)
@@ -78,7 +81,7 @@ class MPIComm:
 
     def _run(self, start, block, result, post, async_op, what):
         if async_op:
-            return MPIWork([start()], result, post, what)
+            return MPIWork([start()], result, post, what, start)
         block()
         if post is not None:
             r = post()
@@ -123,7 +126,7 @@ class MPIComm:
             else:
                 post = None
         if async_op:
-            return MPIWork([comm.Iallreduce(sb, rb, mop)], o, post, ("all_reduce", x.shape, x.dtype))
+            return MPIWork([comm.Iallreduce(sb, rb, mop)], o, post, ("all_reduce", x.shape, x.dtype), (sb, rb))
         comm.Allreduce(sb, rb, mop)
         if post is not None:
             return post()
