@@ -1,0 +1,721 @@
+"""Gradient fusion: packing gradients into persistent flat buckets, byte caps and
+MindSpore fusion split points, overlap with the backward pass; coalesced all_reduce
+and parameter broadcast.
+
+A bucket holds gradients of one array family (NumPy, CuPy, PyTorch), one dtype and
+one device, laid out one after another in a flat buffer allocated once. Buckets are
+reduced in a fixed order (the plan's), the same on every rank, so that ranks that
+finish their gradients in different orders still issue the same collectives in the
+same order.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import collectives
+from ._state import CTX, get_group
+from .arrays import BFLOAT16
+from .errors import InvalidArgumentError, invalid
+from .ops import ReduceOp, as_op
+
+MIB = 1 << 20
+COMPRESSIONS = (None, "fp16", "bf16")
+
+
+# ---------------------------------------------------------------- array families
+
+class _Numpy:
+    name = "numpy"
+    gpu = False
+
+    @staticmethod
+    def spec(a):
+        return tuple(a.shape), a.dtype, "cpu", a.nbytes
+
+    @staticmethod
+    def dtype_name(dt):
+        return str(dt)
+
+    @staticmethod
+    def half(which):
+        return np.dtype(np.float16) if which == "fp16" else BFLOAT16
+
+    f32 = np.dtype(np.float32)
+
+    @staticmethod
+    def empty(n, dtype, device):
+        return np.empty(n, dtype)
+
+    @staticmethod
+    def view(flat, off, n, shape):
+        return flat[off:off + n].reshape(shape)
+
+    @staticmethod
+    def copy(dst, src):
+        np.copyto(dst, src, casting="unsafe")
+
+    @staticmethod
+    def scale(dst, src, n):
+        np.divide(src, n, out=dst, casting="unsafe")
+
+    @staticmethod
+    def clone(a):
+        return a.copy()
+
+
+class _Cupy(_Numpy):
+    name = "cupy"
+    gpu = True
+
+    @staticmethod
+    def _cp():
+        import cupy
+
+        return cupy
+
+    @staticmethod
+    def spec(a):
+        return tuple(a.shape), a.dtype, f"cuda:{a.device.id}", a.nbytes
+
+    @staticmethod
+    def half(which):
+        if which == "bf16":
+            raise invalid("compression", "bf16", "'fp16' or None for CuPy arrays (CuPy has no bfloat16 "
+                          "dtype; use PyTorch tensors for bf16 compression)")
+        return np.dtype(np.float16)
+
+    @classmethod
+    def empty(cls, n, dtype, device):
+        cp = cls._cp()
+        with cp.cuda.Device(int(device.split(":")[1])):
+            return cp.empty(n, dtype)
+
+    @classmethod
+    def copy(cls, dst, src):
+        cls._cp().copyto(dst, src, casting="unsafe")
+
+    @classmethod
+    def scale(cls, dst, src, n):
+        cls._cp().divide(src, n, out=dst, casting="unsafe")
+
+    @classmethod
+    def new_stream(cls, device):
+        cp = cls._cp()
+        with cp.cuda.Device(int(device.split(":")[1])):
+            return cp.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def side_waits_current(cls, side):
+        side.wait_event(cls._cp().cuda.get_current_stream().record())
+
+    @classmethod
+    def current_waits_side(cls, side):
+        cls._cp().cuda.get_current_stream().wait_event(side.record())
+
+    @staticmethod
+    def on(side):
+        return side  # a cupy Stream is a context manager that makes it current
+
+
+class _Torch:
+    name = "torch"
+
+    @staticmethod
+    def _t():
+        import torch
+
+        return torch
+
+    @staticmethod
+    def spec(a):
+        return tuple(a.shape), a.dtype, str(a.device), a.numel() * a.element_size()
+
+    @staticmethod
+    def dtype_name(dt):
+        return str(dt).replace("torch.", "")
+
+    @classmethod
+    def half(cls, which):
+        t = cls._t()
+        return t.float16 if which == "fp16" else t.bfloat16
+
+    @property
+    def f32(self):
+        return self._t().float32
+
+    @classmethod
+    def empty(cls, n, dtype, device):
+        return cls._t().empty(n, dtype=dtype, device=device)
+
+    @staticmethod
+    def view(flat, off, n, shape):
+        return flat[off:off + n].view(shape)
+
+    @classmethod
+    def copy(cls, dst, src):
+        with cls._t().no_grad():  # parameters are leaves that require grad
+            dst.copy_(src)
+
+    @classmethod
+    def scale(cls, dst, src, n):
+        t = cls._t()
+        with t.no_grad():
+            if dst is src:
+                dst.div_(n)
+            else:
+                t.div(src, n, out=dst)
+
+    @staticmethod
+    def clone(a):
+        return a.detach().clone()
+
+    @classmethod
+    def new_stream(cls, device):
+        return cls._t().cuda.Stream(device=device)
+
+    @classmethod
+    def side_waits_current(cls, side):
+        side.wait_stream(cls._t().cuda.current_stream(side.device))
+
+    @classmethod
+    def current_waits_side(cls, side):
+        cls._t().cuda.current_stream(side.device).wait_stream(side)
+
+    @classmethod
+    def on(cls, side):
+        return cls._t().cuda.stream(side)
+
+
+NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+
+
+def _family(x, arg):
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        return CUPY
+    if mod.startswith("torch") and hasattr(x, "data_ptr"):
+        return TORCH
+    raise invalid(arg, type(x).__name__, "a NumPy array, a CuPy array or a PyTorch tensor")
+
+
+def _is_gpu(fam, device):
+    return fam is not NUMPY and device != "cpu"
+
+
+def _as_list(xs, arg):
+    if isinstance(xs, dict):
+        return list(xs.values())
+    if isinstance(xs, (list, tuple)):
+        return list(xs)
+    raise invalid(arg, type(xs).__name__, "a list or tuple of arrays (or a dict of them)")
+
+
+def _key_plan(arrays, arg):
+    """[(family, shape, dtype, device, nbytes)] and the bucketing key of each array."""
+    specs, keys = [], []
+    for i, a in enumerate(arrays):
+        fam = _family(a, f"{arg}[{i}]")
+        shape, dt, dev, nb = fam.spec(a)
+        specs.append((fam, shape, dt, dev, nb))
+        keys.append((fam.name, fam.dtype_name(dt), dev))
+    return specs, keys
+
+
+# ---------------------------------------------------------------- the plan
+
+def check_bucket_cap_mb(cap):
+    """Validate ``bucket_cap_mb``: a number of MiB >= 0, or None for no cap."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
+            or math.isnan(cap) or cap < 0:
+        raise invalid("bucket_cap_mb", cap, "a number of MiB >= 0 (0: one all_reduce per tensor; "
+                      "None or math.inf: one bucket per dtype and device)")
+    return float(cap)
+
+
+def check_fusion_config(fc, arg="fusion_config"):
+    """Validate MindSpore split points: strictly increasing 0-based ints; returns a list."""
+    if fc is None:
+        return None
+    allowed = ("a strictly increasing list of 0-based gradient indices >= 0 (inclusive ends of "
+               "the fused segments, in forward order), e.g. [20, 35]")
+    if not isinstance(fc, (list, tuple)):
+        raise invalid(arg, fc, allowed)
+    out = []
+    for v in fc:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise invalid(arg, list(fc), allowed + f" (bad entry: {v!r})")
+        if out and v <= out[-1]:
+            raise invalid(arg, list(fc), allowed + f" ({v} does not follow {out[-1]})")
+        out.append(int(v))
+    return out
+
+
+def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
+    """The bucket plan: a list of buckets, each a sorted list of gradient indices.
+
+    nbytes: the size of each gradient in bytes, in forward (registration) order.
+    keys: what may share a bucket (e.g. (family, dtype, device)); None: all alike.
+    bucket_cap_mb: greedy over the gradients in reverse order, a bucket is closed before
+        it would pass the cap; a gradient as large as the cap or larger is a bucket of
+        its own; 0 gives one bucket per gradient, None one per key.
+    fusion_config: MindSpore split points (inclusive end indices, forward order), used
+        instead of the cap; indices past the end are ignored with a warning.
+
+    Buckets are listed in launch order: the one completed first by a backward pass
+    (the one with the highest first index) first.
+    """
+    n = len(nbytes)
+    keys = list(keys) if keys is not None else [None] * n
+    if len(keys) != n:
+        raise invalid("keys", f"{len(keys)} keys", f"one key per gradient ({n})")
+    fusion_config = check_fusion_config(fusion_config)
+    buckets = []
+    if fusion_config is not None:
+        past = [s for s in fusion_config if s >= n]
+        if past:
+            warnings.warn(f"fusion_config {fusion_config}: split point(s) {past} >= the number of "
+                          f"gradients ({n}) are ignored", stacklevel=3)
+        start = 0
+        for end in [s for s in fusion_config if s < n] + [n - 1]:
+            by_key = {}
+            for i in range(start, end + 1):
+                by_key.setdefault(keys[i], []).append(i)
+            buckets.extend(by_key.values())
+            start = end + 1
+    else:
+        cap = check_bucket_cap_mb(bucket_cap_mb)
+        cap = math.inf if cap is None else cap * MIB
+        open_ = {}  # key -> [indices, bytes]
+        for i in reversed(range(n)):
+            k = keys[i]
+            cur = open_.get(k)
+            if cur is not None and cur[1] + nbytes[i] > cap:
+                buckets.append(cur[0])
+                cur = None
+            if cur is None:
+                cur = open_[k] = [[], 0]
+            cur[0].append(i)
+            cur[1] += nbytes[i]
+            if cur[1] >= cap:
+                buckets.append(cur[0])
+                del open_[k]
+        buckets.extend(c[0] for c in open_.values())
+    buckets = [sorted(b) for b in buckets if b]
+    buckets.sort(key=lambda b: -b[0])
+    return buckets
+
+
+# ---------------------------------------------------------------- the reducer
+
+class _Bucket:
+    __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
+                 "stream_mode", "remaining", "work", "numel")
+
+
+class DistributedGradReducer:
+    """Reduce a model's gradients over a group in a few fused all_reduce calls.
+
+    ``reducer(grads)`` returns new reduced gradients (same types, shapes and order);
+    ``reducer.reduce_(grads)`` reduces them in place. For overlap with the backward
+    pass, call ``reducer.mark_ready(i, grad)`` as each gradient is final (a bucket's
+    all_reduce starts once all of its gradients are ready, buckets in plan order) and
+    ``reducer.wait()`` at the end. Filling ``reducer.grad_views()`` directly avoids
+    the packing copy.
+
+    parameters: the model's arrays (NumPy, CuPy or PyTorch), in registration order;
+        the gradients have their shapes, dtypes and devices.
+    mean: divide by the group size (None: the auto-parallel context's gradients_mean).
+        Half-precision buckets are divided before the sum, so the sum cannot overflow.
+    bucket_cap_mb: MiB per bucket (0: one all_reduce per tensor; None: one per dtype).
+    fusion_config: MindSpore split points, e.g. [20, 35], used instead of the cap
+        (None: the context's all_reduce_fusion_config when set, else the cap).
+    compression: "fp16" or "bf16" sends float32 gradients in half precision.
+    fp32_sync: reduce float16/bfloat16 gradients in float32.
+    group: the group to reduce over (None: the world).
+
+    Raises InvalidArgumentError naming the argument, the value and what is allowed,
+    alike on every rank (ranks compare their arguments once, here).
+    """
+
+    def __init__(self, parameters, mean=None, bucket_cap_mb=25.0, fusion_config=None,
+                 compression=None, fp32_sync=False, group=None):
+        g = get_group(group)
+        self.group = group
+        self.size = g.size
+        err, sig = None, None
+        try:
+            params = _as_list(parameters, "parameters")
+            specs, keys = _key_plan(params, "parameters")
+            for i, (fam, shape, dt, dev, nb) in enumerate(specs):
+                if fam.dtype_name(dt) not in _FLOAT_NAMES:
+                    raise invalid(f"parameters[{i}].dtype", fam.dtype_name(dt),
+                                  "a floating or complex dtype (" + ", ".join(_FLOAT_NAMES) + ")")
+            if mean is None:
+                from .context import get_auto_parallel_context
+
+                mean = get_auto_parallel_context("gradients_mean")
+            if not isinstance(mean, (bool, np.bool_)):
+                raise invalid("mean", mean, "True, False or None (the context's gradients_mean)")
+            cap = check_bucket_cap_mb(bucket_cap_mb)
+            if fusion_config is None:
+                from .context import get_auto_parallel_context
+
+                fusion_config = get_auto_parallel_context("all_reduce_fusion_config") or None
+            fc = check_fusion_config(fusion_config)
+            if compression not in COMPRESSIONS:
+                raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
+            if not isinstance(fp32_sync, (bool, np.bool_)):
+                raise invalid("fp32_sync", fp32_sync, "True or False")
+            plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
+            sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
+                   bool(fp32_sync))
+        except InvalidArgumentError as e:
+            err = e
+        # every rank raises alike, and ranks with different models are caught here, not in a hang
+        allv = g.mpi_comm.allgather((repr(sig), None if err is None else str(err)))
+        if err is not None:
+            raise err
+        bad = [(r, e) for r, (_, e) in enumerate(allv) if e]
+        if bad:
+            raise InvalidArgumentError(f"DistributedGradReducer arguments rejected on rank {bad[0][0]}: "
+                                       f"{bad[0][1]}")
+        diff = [r for r, (s, _) in enumerate(allv) if s != allv[0][0]]
+        if diff:
+            raise invalid("parameters", f"{len(params)} arrays", "the same parameters (shapes, dtypes) "
+                          f"and options on every rank of the group; rank(s) {diff} differ from rank 0")
+        self.mean = bool(mean)
+        self.bucket_cap_mb = cap
+        self.fusion_config = fc
+        self.compression = compression
+        self.fp32_sync = bool(fp32_sync)
+        self._specs = specs
+        self._plan = plan
+        self._build(plan, specs)
+        self._reset_step()
+        self._sides = {}
+
+    # ----------------------------------------------------------- setup
+    def _build(self, plan, specs):
+        nccl = CTX.backend_name == "nccl"
+        n = len(specs)
+        self._views = [None] * n
+        self._bucket_of = [0] * n
+        self._buckets = []
+        for bi, idx in enumerate(plan):
+            fam, _, dt, dev, _ = specs[idx[0]]
+            b = _Bucket()
+            b.fam, b.indices, b.device = fam, idx, dev
+            sizes = [int(np.prod(specs[i][1], dtype=np.int64)) for i in idx]
+            b.numel = sum(sizes)
+            b.flat = fam.empty(b.numel, dt, dev)
+            off = 0
+            b.views = []
+            for i, sz in zip(idx, sizes):
+                v = fam.view(b.flat, off, sz, specs[i][1])
+                self._views[i] = v
+                self._bucket_of[i] = bi
+                b.views.append(v)
+                off += sz
+            name = fam.dtype_name(dt)
+            wire = dt
+            if self.compression and name == "float32":
+                wire = fam.half(self.compression)
+            elif self.fp32_sync and name in ("float16", "bfloat16"):
+                wire = fam.f32
+            b.wire = b.flat if wire == dt else fam.empty(b.numel, wire, dev)
+            half_wire = fam.dtype_name(wire) in ("float16", "bfloat16")
+            b.prescale = self.mean and half_wire
+            b.postscale = self.mean and not half_wire
+            b.stream_mode = nccl and _is_gpu(fam, dev)
+            b.work = None
+            self._buckets.append(b)
+
+    def _reset_step(self):
+        self._ready = [False] * len(self._specs)
+        for b in self._buckets:
+            b.remaining = len(b.indices)
+            b.work = None
+        self._next = 0
+        self._given = {}
+        self._active = False
+        self._used_sides = []
+
+    @property
+    def buckets(self):
+        """The plan: lists of gradient indices, in the order their all_reduce runs."""
+        return [list(b) for b in self._plan]
+
+    def grad_views(self):
+        """Arrays shaped like the parameters that are views into the persistent buckets.
+
+        Writing the gradients into them (e.g. ``np.matmul(a, b, out=views[i])``) saves the
+        packing copy; pass them to mark_ready / reduce_, which then copy nothing.
+        """
+        return list(self._views)
+
+    # ----------------------------------------------------------- checks
+    def _check_grad(self, i, g, arg):
+        fam, shape, dt, dev, _ = self._specs[i]
+        if g is self._views[i]:
+            return
+        try:
+            gfam = _family(g, arg)
+        except InvalidArgumentError:
+            raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]") from None
+        if gfam is not fam:
+            raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]")
+        gshape, gdt, gdev, _ = fam.spec(g)
+        if gshape != shape:
+            raise invalid(f"{arg}.shape", gshape, f"{shape}, the shape of parameters[{i}]")
+        if gdt != dt:
+            raise invalid(f"{arg}.dtype", fam.dtype_name(gdt), f"{fam.dtype_name(dt)}, the dtype of parameters[{i}]")
+        if gdev != dev:
+            raise invalid(f"{arg}.device", gdev, f"{dev}, the device of parameters[{i}]")
+
+    def _check_grads(self, grads):
+        if not isinstance(grads, (list, tuple)):
+            raise invalid("grads", type(grads).__name__, f"a list or tuple of {len(self._specs)} arrays, "
+                          "one per parameter, in the parameters' order")
+        if len(grads) != len(self._specs):
+            raise invalid("grads", f"a {type(grads).__name__} of {len(grads)} arrays",
+                          f"{len(self._specs)} arrays, one per parameter, in the parameters' order")
+        for i, g in enumerate(grads):
+            self._check_grad(i, g, f"grads[{i}]")
+
+    def _check_idle(self, what):
+        if self._active:
+            missing = [i for i, r in enumerate(self._ready) if not r]
+            raise InvalidArgumentError(f"{what} during a step started with mark_ready() (gradients "
+                                       f"{missing[:10]}{'...' if len(missing) > 10 else ''} not ready yet); "
+                                       "finish it with wait() first")
+
+    # ----------------------------------------------------------- reduction
+    def _launch(self, b, overlap):
+        fam, n = b.fam, self.size
+        side = None
+        if b.stream_mode and overlap:
+            side = self._side(b)
+            fam.side_waits_current(side)
+            ctx = fam.on(side)
+        else:
+            ctx = _Null
+        with ctx:
+            if b.numel:
+                if b.prescale:
+                    fam.scale(b.wire, b.flat, n)
+                elif b.wire is not b.flat:
+                    fam.copy(b.wire, b.flat)
+                if b.stream_mode:  # enqueued on the stream; ordered, nothing to wait for on the host
+                    collectives.all_reduce(b.wire, ReduceOp.SUM, out=b.wire, group=self.group, stream=side)
+                    self._post(b)
+                else:
+                    b.work = collectives.all_reduce(b.wire, ReduceOp.SUM, out=b.wire, group=self.group,
+                                                    async_op=True)
+
+    def _post(self, b):
+        if b.postscale:
+            b.fam.scale(b.flat, b.wire, self.size)
+        elif b.wire is not b.flat:
+            b.fam.copy(b.flat, b.wire)
+
+    def _side(self, b):
+        key = (b.fam.name, b.device)
+        s = self._sides.get(key)
+        if s is None:
+            s = self._sides[key] = b.fam.new_stream(b.device)
+        if key not in self._used_sides:
+            self._used_sides.append(key)
+        return s
+
+    def _launch_ready(self, overlap):
+        bs = self._buckets
+        while self._next < len(bs) and bs[self._next].remaining == 0:
+            self._launch(bs[self._next], overlap)
+            self._next += 1
+
+    def _finish(self):
+        for b in self._buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+                self._post(b)
+        for key in self._used_sides:
+            s = self._sides[key]
+            fam = CUPY if key[0] == "cupy" else TORCH
+            fam.current_waits_side(s)
+
+    def _run(self, grads):
+        self._check_idle("reducing")
+        self._check_grads(grads)
+        for i, g in enumerate(grads):
+            v = self._views[i]
+            if g is not v:
+                self._specs[i][0].copy(v, g)
+        for b in self._buckets:
+            b.remaining = 0
+        self._launch_ready(overlap=False)
+        self._finish()
+        self._reset_step()
+
+    def __call__(self, grads):
+        """Return the reduced gradients as new arrays (``grads`` is left as it is)."""
+        self._run(grads)
+        return [self._specs[i][0].clone(v) for i, v in enumerate(self._views)]
+
+    def reduce_(self, grads):
+        """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
+        self._run(grads)
+        for i, g in enumerate(grads):
+            v = self._views[i]
+            if g is not v:
+                self._specs[i][0].copy(g, v)
+        return grads
+
+    def mark_ready(self, i, grad=None):
+        """Record that gradient ``i`` is final; start its bucket's all_reduce once complete.
+
+        grad: the gradient (copied into the bucket unless it is ``grad_views()[i]``, and
+            written back by wait()); None when grad_views()[i] already holds it.
+        """
+        n = len(self._specs)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n:
+            raise invalid("i", i, f"a gradient index in 0..{n - 1}")
+        i = int(i)
+        if self._ready[i]:
+            raise invalid("i", i, "a gradient not yet marked ready in this step (call wait() to "
+                          "finish the step before marking it again)")
+        if grad is not None:
+            self._check_grad(i, grad, "grad")
+            v = self._views[i]
+            if grad is not v:
+                self._specs[i][0].copy(v, grad)
+                self._given[i] = grad
+        self._active = True
+        self._ready[i] = True
+        b = self._buckets[self._bucket_of[i]]
+        b.remaining -= 1
+        if b.remaining == 0:
+            self._launch_ready(overlap=True)
+        for b in self._buckets[:self._next]:  # let MPI progress the transfers in flight
+            if b.work is not None:
+                b.work.is_completed()
+
+    def wait(self):
+        """Finish the step: wait for every bucket and return the reduced gradients.
+
+        The arrays given to mark_ready hold the reduced values afterwards; the list has
+        them (or the grad views) in the parameters' order. Raises InvalidArgumentError
+        when some gradient was not marked ready.
+        """
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        if missing:
+            raise InvalidArgumentError(
+                f"wait() before every gradient was marked ready: missing {len(missing)} of "
+                f"{len(self._ready)} (indices {missing[:20]}{'...' if len(missing) > 20 else ''}); "
+                "call mark_ready(i, grad) for each")
+        self._finish()
+        out = list(self._views)
+        for i, g in self._given.items():
+            self._specs[i][0].copy(g, self._views[i])
+            out[i] = g
+        self._reset_step()
+        return out
+
+    def __repr__(self):
+        return (f"DistributedGradReducer({len(self._specs)} gradients in {len(self._plan)} buckets, "
+                f"mean={self.mean}, bucket_cap_mb={self.bucket_cap_mb}, fusion_config={self.fusion_config}, "
+                f"compression={self.compression!r}, fp32_sync={self.fp32_sync}, group={self.group!r})")
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+_Null = _NullCtx()
+
+
+# ---------------------------------------------------------------- one-off fused calls
+
+def _groups_of(arrays, arg):
+    specs, keys = _key_plan(arrays, arg)
+    order = {}
+    for i, k in enumerate(keys):
+        order.setdefault(k, []).append(i)
+    return specs, list(order.values())
+
+
+def _pack(specs, idx):
+    fam, _, dt, dev, _ = specs[idx[0]]
+    sizes = [int(np.prod(specs[i][1], dtype=np.int64)) for i in idx]
+    flat = fam.empty(sum(sizes), dt, dev)
+    views, off = [], 0
+    for i, sz in zip(idx, sizes):
+        views.append(fam.view(flat, off, sz, specs[i][1]))
+        off += sz
+    return fam, flat, views
+
+
+def all_reduce_coalesced(arrays, op=ReduceOp.SUM, group=None):
+    """All-reduce many arrays in one fused call per (array family, dtype, device).
+
+    Returns a list of new arrays in the input order (views into one fresh buffer per
+    fused group). Raises InvalidArgumentError for a non-list, an unsupported array type,
+    or an op the dtype does not allow.
+    """
+    op = as_op(op)
+    arrays = _as_list(arrays, "arrays")
+    specs, groups = _groups_of(arrays, "arrays")
+    nccl = CTX.backend_name == "nccl"
+    out = [None] * len(arrays)
+    pending = []
+    for idx in groups:
+        fam, flat, views = _pack(specs, idx)
+        for i, v in zip(idx, views):
+            fam.copy(v, arrays[i])
+            out[i] = v
+        if nccl and _is_gpu(fam, specs[idx[0]][3]):
+            collectives.all_reduce(flat, op, out=flat, group=group)  # stream-ordered
+        else:
+            pending.append(collectives.all_reduce(flat, op, out=flat, group=group, async_op=True))
+    for w in pending:
+        w.wait()
+    return out
+
+
+def broadcast_parameters(parameters, root=0, group=None):
+    """Overwrite ``parameters`` in place with rank ``root``'s (MindSpore's parameter_broadcast).
+
+    parameters: a list, tuple or dict of arrays (NumPy, CuPy, PyTorch); one fused
+    broadcast per (array family, dtype, device). Returns ``parameters``.
+    """
+    g = get_group(group)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
+        raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+    arrays = _as_list(parameters, "parameters")
+    specs, groups = _groups_of(arrays, "parameters")
+    me = g.rank == root
+    for idx in groups:
+        fam, flat, views = _pack(specs, idx)
+        if me:
+            for i, v in zip(idx, views):
+                fam.copy(v, arrays[i])
+        collectives.broadcast(flat, int(root), group=group)
+        if not me:
+            for i, v in zip(idx, views):
+                fam.copy(arrays[i], v)
+    return parameters
+
+
+__all__ = ["DistributedGradReducer", "all_reduce_coalesced", "broadcast_parameters", "plan_buckets"]
