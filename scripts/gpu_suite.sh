@@ -46,6 +46,7 @@ SECTIONS=("${@:-all}")
 
 if want core || want tests; then
     step "gpu-tests-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" -x tests/test_gpu.py tests/test_collectives.py tests/test_api.py
+    step "gpu-staged-on-mpi-np$NGPU" 200 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" tests/test_gpu.py -k staged
 fi
 if want tests; then
     for f in tests/test_buckets.py tests/test_errors.py; do

@@ -226,3 +226,25 @@ def test_gpu_errors(nccl):
     if n > 1:
         with pytest.raises(mpicomm.InvalidArgumentError, match="divisible"):
             mpicomm.reduce_scatter(cupy.ones(n + 1))
+
+
+def test_gpu_arrays_staged_on_mpi_backend(comm, request):
+    """CuPy arrays and CUDA tensors on the MPI backend are staged through the host and
+    come back as the caller's type (run with MPICOMM_BACKEND=mpi on a GPU machine)."""
+    if mpicomm.get_backend() != "mpi" or not kinds():
+        pytest.skip("needs the MPI backend on a machine with a GPU")
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    for k in kinds():
+        key = request.node.name + k.name
+        xs = [data(r, key, (2 * n, 3), np.float32) for r in range(n)]
+        x = k.to(xs[me])
+        r = mpicomm.all_reduce(x)
+        assert type(r) is type(x)
+        close(k.host(r), reduce_np(xs, ReduceOp.SUM))
+        y = k.to(xs[me])
+        assert mpicomm.all_reduce(y, out=y) is y
+        close(k.host(y), reduce_np(xs, ReduceOp.SUM))
+        close(k.host(mpicomm.all_gather(x)), np.concatenate(xs))
+        b = k.to(xs[me])
+        mpicomm.broadcast(b, root=n - 1)
+        close(k.host(b), xs[n - 1])
