@@ -12,6 +12,9 @@ from __future__ import annotations
 from ._state import CTX, get_group
 from .ops import ReduceOp, as_op
 
+# collective codes for the reliability hooks (mpicomm._reliability._CODES)
+_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _BROADCAST, _REDUCE, _ALL_TO_ALL, _BARRIER = range(1, 8)
+
 
 def _g(group):
     if group is None and CTX.initialized:
@@ -29,7 +32,7 @@ def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=
     op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "all_reduce", x, op, None, g.impl.all_reduce, (x, op, out, async_op, stream))
+        return h.run(g, _ALL_REDUCE, x, op, None, async_op, g.impl.all_reduce, (x, op, out, async_op, stream))
     return g.impl.all_reduce(x, op, out, async_op, stream)
 
 
@@ -38,7 +41,7 @@ def all_gather(x, out=None, group=None, async_op=False, stream=None):
     g = _g(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "all_gather", x, None, None, g.impl.all_gather, (x, out, async_op, stream))
+        return h.run(g, _ALL_GATHER, x, None, None, async_op, g.impl.all_gather, (x, out, async_op, stream))
     return g.impl.all_gather(x, out, async_op, stream)
 
 
@@ -51,7 +54,8 @@ def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, str
     op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "reduce_scatter", x, op, None, g.impl.reduce_scatter, (x, op, out, async_op, stream))
+        return h.run(g, _REDUCE_SCATTER, x, op, None, async_op, g.impl.reduce_scatter,
+                     (x, op, out, async_op, stream))
     return g.impl.reduce_scatter(x, op, out, async_op, stream)
 
 
@@ -60,7 +64,7 @@ def broadcast(x, root=0, group=None, async_op=False, stream=None):
     g = _g(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "broadcast", x, None, root, g.impl.broadcast, (x, root, async_op, stream))
+        return h.run(g, _BROADCAST, x, None, root, async_op, g.impl.broadcast, (x, root, async_op, stream))
     return g.impl.broadcast(x, root, async_op, stream)
 
 
@@ -70,7 +74,7 @@ def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, str
     op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "reduce", x, op, root, g.impl.reduce, (x, op, root, out, async_op, stream))
+        return h.run(g, _REDUCE, x, op, root, async_op, g.impl.reduce, (x, op, root, out, async_op, stream))
     return g.impl.reduce(x, op, root, out, async_op, stream)
 
 
@@ -79,7 +83,7 @@ def all_to_all(x, out=None, group=None, async_op=False, stream=None):
     g = _g(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "all_to_all", x, None, None, g.impl.all_to_all, (x, out, async_op, stream))
+        return h.run(g, _ALL_TO_ALL, x, None, None, async_op, g.impl.all_to_all, (x, out, async_op, stream))
     return g.impl.all_to_all(x, out, async_op, stream)
 
 
@@ -100,7 +104,7 @@ def barrier(group=None, async_op=False):
     g = _g(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, "barrier", None, None, None, g.impl.barrier, (async_op,))
+        return h.run(g, _BARRIER, None, None, None, async_op, g.impl.barrier, (async_op,))
     return g.impl.barrier(async_op)
 
 

@@ -226,7 +226,10 @@ def create_group(group, rank_ids):
     if sub == MPI.COMM_NULL:
         ctx.groups[group] = Group(group, ids, None, None, None)
         return
-    ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_comm(sub))
+    g = ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_comm(sub))
+    from . import _reliability
+
+    _reliability.on_group(ctx, g)
 
 
 def destroy_group(group):
@@ -239,6 +242,9 @@ def destroy_group(group):
                       + (", ".join(sorted(ctx.groups)) or "none") + ")")
     g = ctx.groups.pop(group)
     ctx.world.mpi_comm.Barrier()
+    from . import _reliability
+
+    _reliability.on_group_destroyed(ctx, g)
     if g.impl is not None:
         g.impl.close()
     if g.mpi_comm is not None:

@@ -48,23 +48,29 @@ class Work:
         return self._done
 
     def wait(self, timeout=None):
+        """Block until the collective completes and return its result.
+
+        timeout: seconds (None: the timeout given to init, no limit where that is 0). Raises CollectiveTimeoutError naming the collective, its group and
+        sequence number and the ranks that have not reached it; the communicator is
+        then unusable (on NCCL it is aborted), and an uncaught error aborts the job.
+        """
         if not self._done:
             if timeout is None:
                 from .._state import CTX
 
-                timeout = CTX.timeout
+                timeout = CTX.timeout or None
             self._block(timeout)
             self._finish()
             self._done = True
         return self._result
 
     def _block(self, timeout):
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         spins = 0
         while not self._poll():
             spins += 1
             if spins & 255 == 0:
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     self._timed_out(timeout)
                 self._idle()
 
@@ -72,9 +78,18 @@ class Work:
         """Between polls: MPI needs polling for progress; GPU work does not."""
 
     def _timed_out(self, timeout):
+        import sys
+
         from .. import _reliability
 
-        raise _reliability.timeout_error(self._what, timeout)
+        err = _reliability.timeout_error(self._what, timeout)
+        sys.stderr.write(f"{_reliability._rank_prefix()}CollectiveTimeoutError: {err}\n")
+        sys.stderr.flush()
+        self._abandon()
+        raise err
+
+    def _abandon(self):
+        """After a timeout: release what the transport holds (NCCL aborts its communicator)."""
 
     def __repr__(self):
         state = "completed" if self._done else "pending"

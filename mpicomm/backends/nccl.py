@@ -127,6 +127,7 @@ class NCCLComm:
         with cupy.cuda.Device(device_id):
             self.comm = nccl.NcclCommunicator(self.size, as_uid(uid, local), self.rank)
         self._opcache = {}
+        self.last_stream = None  # stream of the last collective, for the watchdog (mpicomm._reliability)
 
     def close(self):
         if self.comm is not None:
@@ -224,6 +225,7 @@ class NCCLComm:
         return (a.size if hasattr(a, "size") and not callable(a.size) else a.numel()) * info.nccl_scale
 
     def _done(self, result, async_op, s, what, post=None):
+        self.last_stream = s
         if async_op:
             ev = self.cupy.cuda.Event(block=False, disable_timing=True)
             self.cupy.cuda.runtime.eventRecord(ev.ptr, s)
