@@ -7,11 +7,13 @@ from mpi4py import MPI
 from ..arrays import _TABLE, dtype_info, host_out, to_host
 from ..errors import invalid
 from ..ops import ReduceOp, check_op_dtype
+from . import _bigcount
 from .base import Backend, Work
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
 _F32 = np.dtype(np.float32)
+_MAX_COUNT = 2 ** 31 - 1  # MPI counts are C ints: larger arrays go in pieces (_bigcount)
 
 
 class MPIWork(Work):
@@ -104,6 +106,8 @@ class MPIComm:
             o, wb = x, None
         else:
             o, wb = host_out(out, x.shape, x.dtype)
+        if x.size > _MAX_COUNT:
+            return _bigcount.all_reduce(self, x, op, o, wb, back, async_op)
         n = self.size
         if info.upcast:  # float16 / bfloat16: reduce in float32, MPI has no such ops
             t = x.astype(_F32)
@@ -138,6 +142,8 @@ class MPIComm:
         n = self.size
         shape = (n * x.shape[0],) + x.shape[1:] if x.ndim else (n,)
         o, wb = self._out(x, out, shape)
+        if o.size > _MAX_COUNT:
+            return _bigcount.all_gather(self, x, o, wb, back, async_op)
         sb, rb = [x, x.size, info.mpi], [o, info.mpi]
         post = (lambda: _finish(o, wb, back)) if (wb or back) else None
         return self._run(lambda: self.comm.Iallgather(sb, rb), lambda: self.comm.Allgather(sb, rb),
@@ -153,6 +159,8 @@ class MPIComm:
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
         shape = (x.shape[0] // n,) + x.shape[1:]
         o, wb = self._out(x, out, shape)
+        if x.size > _MAX_COUNT:
+            return _bigcount.reduce_scatter(self, x, op, o, wb, back, async_op)
         if info.upcast:
             t = x.astype(_F32)
             r = np.empty(shape, _F32)
@@ -187,8 +195,10 @@ class MPIComm:
             if back and self.rank == root:
                 h[...] = to_host(x)[0]
         info = _TABLE.get(h.dtype) or dtype_info(h.dtype)
-        b = [h, info.mpi]
         post = (lambda: wb(h)) if wb is not None else None
+        if h.size > _MAX_COUNT:
+            return _bigcount.broadcast(self, h, root, x, post, async_op)
+        b = [h, info.mpi]
         return self._run(lambda: self.comm.Ibcast(b, root), lambda: self.comm.Bcast(b, root),
                          x, post, async_op, ("broadcast", h.shape, h.dtype))
 
@@ -205,6 +215,8 @@ class MPIComm:
             o, wb = None, None
             if out is not None:  # validate alike on every rank
                 host_out(out, x.shape, x.dtype)
+        if x.size > _MAX_COUNT:
+            return _bigcount.reduce(self, x, op, root, o, wb, back, async_op)
         if info.upcast:
             t = x.astype(_F32)
             r = np.empty(x.shape, _F32) if is_root else None
@@ -235,6 +247,8 @@ class MPIComm:
             raise invalid("x.shape", x.shape, f"a first axis divisible by the group size {n} "
                           "(all_to_all sends chunk j of axis 0 to rank j)")
         o, wb = self._out(x, out, x.shape)
+        if x.size > _MAX_COUNT:
+            return _bigcount.all_to_all(self, x, o, wb, back, async_op)
         sb, rb = [x, info.mpi], [o, info.mpi]
         post = (lambda: _finish(o, wb, back)) if (wb or back) else None
         return self._run(lambda: self.comm.Ialltoall(sb, rb), lambda: self.comm.Alltoall(sb, rb),
