@@ -46,8 +46,8 @@ class _Numpy:
     f32 = np.dtype(np.float32)
 
     @staticmethod
-    def empty(n, dtype, device):
-        return np.empty(n, dtype)
+    def zeros(n, dtype, device):
+        return np.zeros(n, dtype)
 
     @staticmethod
     def view(flat, off, n, shape):
@@ -88,10 +88,10 @@ class _Cupy(_Numpy):
         return np.dtype(np.float16)
 
     @classmethod
-    def empty(cls, n, dtype, device):
+    def zeros(cls, n, dtype, device):
         cp = cls._cp()
         with cp.cuda.Device(int(device.split(":")[1])):
-            return cp.empty(n, dtype)
+            return cp.zeros(n, dtype)
 
     @classmethod
     def copy(cls, dst, src):
@@ -147,8 +147,8 @@ class _Torch:
         return self._t().float32
 
     @classmethod
-    def empty(cls, n, dtype, device):
-        return cls._t().empty(n, dtype=dtype, device=device)
+    def zeros(cls, n, dtype, device):
+        return cls._t().zeros(n, dtype=dtype, device=device)
 
     @staticmethod
     def view(flat, off, n, shape):
@@ -415,7 +415,7 @@ class DistributedGradReducer:
             b.fam, b.indices, b.device = fam, idx, dev
             sizes = [int(np.prod(specs[i][1], dtype=np.int64)) for i in idx]
             b.numel = sum(sizes)
-            b.flat = fam.empty(b.numel, dt, dev)
+            b.flat = fam.zeros(b.numel, dt, dev)
             off = 0
             b.views = []
             for i, sz in zip(idx, sizes):
@@ -430,7 +430,7 @@ class DistributedGradReducer:
                 wire = fam.half(self.compression)
             elif self.fp32_sync and name in ("float16", "bfloat16"):
                 wire = fam.f32
-            b.wire = b.flat if wire == dt else fam.empty(b.numel, wire, dev)
+            b.wire = b.flat if wire == dt else fam.zeros(b.numel, wire, dev)
             half_wire = fam.dtype_name(wire) in ("float16", "bfloat16")
             b.prescale = self.mean and half_wire
             b.postscale = self.mean and not half_wire
@@ -659,7 +659,7 @@ def _groups_of(arrays, arg):
 def _pack(specs, idx):
     fam, _, dt, dev, _ = specs[idx[0]]
     sizes = [int(np.prod(specs[i][1], dtype=np.int64)) for i in idx]
-    flat = fam.empty(sum(sizes), dt, dev)
+    flat = fam.zeros(sum(sizes), dt, dev)
     views, off = [], 0
     for i, sz in zip(idx, sizes):
         views.append(fam.view(flat, off, sz, specs[i][1]))
