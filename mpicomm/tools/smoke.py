@@ -521,6 +521,8 @@ def main(argv=None):
         print("AllGather check: each rank's [[rank]] as float32, gathered:")
         print(classic)
         merged = merge_failures(failures)
+        order = {c.key(): i for i, c in enumerate(cases)}  # report in the order the cases ran
+        merged.sort(key=lambda m: order.get(m[0], len(order)))
         for coll in COLLECTIVES:  # one line per broken collective, then the first cases
             mc_ = [(k, r) for k, r, _ in merged if k[0] == coll]
             if mc_:
