@@ -376,8 +376,9 @@ class Hooks:
                 time.sleep(0.002)
         return out
 
-    def diagnose(self, g, seq, name, desc, waited, gpu=False):
+    def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None):
         """The timeout message: what is pending here, and where every other rank of ``g`` is."""
+        limit = self.timeout if limit is None else limit
         gh = _ghash(g.name)
         states = self.read_peers(list(g.ranks))
         nowms = int(time.time() * 1000)
@@ -416,7 +417,7 @@ class Hooks:
                 now = "not in a collective"
             lines.append(f"  {where}: {last}; {now}")
         what = f"{name} sequence {seq} on group {g.name!r} ({desc})"
-        head = (f"rank {self.wrank}: {what} did not complete within {self.timeout:g} s "
+        head = (f"rank {self.wrank}: {what} did not complete within {limit:g} s "
                 f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
         if missing:
             head += (f"Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
@@ -435,7 +436,7 @@ class Hooks:
         if len(what) >= 5:
             g, seq = what[3], what[4]
             with self._lock:
-                msg = self.diagnose(g, seq, name, desc, timeout)
+                msg = self.diagnose(g, seq, name, desc, timeout, limit=timeout)
         else:
             msg = f"{name} ({desc}) did not complete within {timeout:g} s"
         return CollectiveTimeoutError(msg)

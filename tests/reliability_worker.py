@@ -1,0 +1,242 @@
+"""The MPI program behind tests/test_faults.py and the init tests of tests/test_errors.py.
+
+Run as ``mpirun -n N python tests/reliability_worker.py MODE [--gpu] [TOKEN]``. Every rank
+prints lines ``RESULT rank=R ...`` that the tests read; faults are made on purpose.
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+MODE = sys.argv[1]
+GPU = "--gpu" in sys.argv
+
+
+def rank_of_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def say(*parts):
+    print(f"RESULT rank={rank_of_world()}", *parts, flush=True)
+
+
+def expect_error(kind, fn):
+    """Call fn; report the exception's class and message (one line), or that none came."""
+    try:
+        fn()
+    except kind as e:
+        say("raised", type(e).__name__, "|", str(e).replace("\n", " // "))
+        return
+    except Exception as e:  # the wrong kind
+        say("wrong", type(e).__name__, "|", str(e).replace("\n", " // "))
+        return
+    say("no-error")
+
+
+def arr(a):
+    """The array type under test: CuPy on --gpu, else NumPy."""
+    if GPU:
+        import cupy
+
+        return cupy.asarray(a)
+    return a
+
+
+def main():
+    import mpicomm
+
+    if MODE == "before_init":
+        from mpi4py import MPI  # noqa: F401  (MPI up, mpicomm not)
+
+        expect_error(mpicomm.NotInitializedError, lambda: mpicomm.all_reduce(np.ones(2)))
+        expect_error(mpicomm.NotInitializedError, mpicomm.get_rank)
+        expect_error(mpicomm.NotInitializedError, lambda: mpicomm.create_group("g", [0]))
+        return
+    if MODE == "bad_backend":
+        from mpi4py import MPI  # noqa: F401
+
+        expect_error(mpicomm.InvalidArgumentError, lambda: mpicomm.init(backend="gloo"))
+        expect_error(mpicomm.InvalidArgumentError, lambda: mpicomm.init(timeout=-1))
+        return
+    if MODE == "nccl_unavailable":
+        from mpi4py import MPI  # noqa: F401
+
+        expect_error(mpicomm.BackendUnavailableError, lambda: mpicomm.init(backend="nccl"))
+        mpicomm.init(backend="mpi")  # the failed init left nothing behind
+        say("after", mpicomm.get_backend(), mpicomm.get_group_size())
+        return
+    if MODE == "reinit":
+        mpicomm.init(backend="mpi", timeout=30)
+        mpicomm.init(backend="mpi", timeout=30)  # same arguments: nothing happens
+        expect_error(mpicomm.InvalidArgumentError, lambda: mpicomm.init(backend="mpi", timeout=31))
+        mpicomm.finalize()
+        mpicomm.init(backend="mpi", timeout=31)
+        say("reinit", mpicomm.is_initialized())
+        return
+    if MODE == "noabort":
+        prev = sys.excepthook
+        mpicomm.init(abort_on_exception=False)
+        say("hook", "mine" if sys.excepthook is prev else "replaced")
+        mpicomm.finalize()
+        mpicomm.init()
+        installed = sys.excepthook is not prev
+        mpicomm.finalize()
+        say("default", "installed" if installed else "missing", "restored" if sys.excepthook is prev else "kept")
+        return
+
+    mpicomm.init(backend="nccl" if GPU else None)
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    rng = np.random.default_rng([r, 7])
+
+    if MODE == "skip":  # rank 1 skips the third all_reduce and sleeps
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        for i in range(5):
+            if i == 2 and r == 1:
+                time.sleep(120)
+                continue
+            mpicomm.all_reduce(x)
+            if GPU:
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
+        say("finished")
+    elif MODE == "wait_timeout":  # async work that can never complete: Work.wait raises
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 1:
+            time.sleep(120)
+        w = mpicomm.all_reduce(x, async_op=True)
+        w.wait(timeout=3)
+        say("finished")
+    elif MODE == "raise":
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        for i in range(1000):
+            mpicomm.all_reduce(x)
+            if r == 1 and i == 20:
+                raise ValueError("boom on purpose")
+        say("finished")
+    elif MODE == "kill":
+        x = arr(rng.standard_normal(1024).astype(np.float32))
+        for i in range(100000):
+            mpicomm.all_reduce(x)
+            if r == 1 and i == 50:
+                os.kill(os.getpid(), signal.SIGKILL)
+        say("finished")
+    elif MODE == "mismatch":  # needs MPICOMM_DEBUG=1
+        good = arr(rng.standard_normal(6).astype(np.float32))
+        mpicomm.all_reduce(good)
+        x = arr(rng.standard_normal(4 + r).astype(np.float32))
+        expect_error(mpicomm.CollectiveMismatchError, lambda: mpicomm.all_reduce(x))
+        y = arr(rng.standard_normal(4).astype(np.float32 if r == 0 else np.float64))
+        expect_error(mpicomm.CollectiveMismatchError, lambda: mpicomm.all_gather(y))
+        expect_error(mpicomm.CollectiveMismatchError,
+                     lambda: mpicomm.broadcast(good, root=0) if r == 0 else mpicomm.all_reduce(good))
+        expect_error(mpicomm.CollectiveMismatchError,
+                     lambda: mpicomm.all_reduce(good, op="sum" if r else "max"))
+        res = mpicomm.all_reduce(good)  # still usable after the errors
+        say("after", float(res.sum()) == float(res.sum()))
+    elif MODE == "shapes_nodebug":  # what MPI does with different counts, no debug mode
+        x = np.arange(4 + r, dtype=np.float32)
+        expect_error(Exception, lambda: mpicomm.all_reduce(x))
+    elif MODE == "load":
+        load()
+    elif MODE == "bigcount":
+        bigcount()
+    else:
+        raise SystemExit(f"unknown mode {MODE}")
+
+
+def statm_rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def load():
+    """10,000 small collectives and several GiB, every value checked; report RSS growth."""
+    import mpicomm
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    xp = np
+    if GPU:
+        import cupy as xp
+    bad = 0
+    # small: 10,000 collectives of 8-64 bytes, rank-dependent, exact in float64
+    base = np.array([r + 1.5, -2.0 * r], np.float64)
+    expect = np.array([sum(k + 1.5 for k in range(n)), sum(-2.0 * k for k in range(n))])
+    rss0 = None
+    for i in range(10000):
+        if i == 500:
+            rss0 = statm_rss()
+        k = i % 4
+        if k == 0:
+            got = mpicomm.all_reduce(arr(base + i))
+            ok = np.array_equal(_np(got), expect + n * i)
+        elif k == 1:
+            got = mpicomm.all_gather(arr(np.array([r * 10 + i], np.int64)))
+            ok = np.array_equal(_np(got), np.arange(n) * 10 + i)
+        elif k == 2:
+            b = arr(np.array([i * 3 + r], np.int32))
+            mpicomm.broadcast(b, root=i % n)
+            ok = int(_np(b)[0]) == i * 3 + i % n
+        else:
+            got = mpicomm.all_reduce(arr(np.array([r, i], np.int32)), op="max")
+            ok = np.array_equal(_np(got), [n - 1, i])
+        bad += not ok
+    rss_small = statm_rss()
+    # large: 16 MiB float32 all_reduce x 256 = 4 GiB per rank; integer values: exact sums
+    m = 4 << 20
+    big = xp.asarray(np.random.default_rng([r, 1]).integers(-1000, 1000, m).astype(np.float32))
+    total = xp.zeros(m, xp.float32)
+    for k in range(n):
+        total += xp.asarray(np.random.default_rng([k, 1]).integers(-1000, 1000, m).astype(np.float32))
+    out = xp.empty_like(big)
+    rss1 = None
+    for i in range(256):
+        if i == 8:
+            rss1 = statm_rss()
+        big[0] = i + r  # a value that changes every step, so stale data would show
+        got = mpicomm.all_reduce(big, out=out)
+        ok = bool((got[1:] == total[1:]).all()) and float(got[0]) == sum(i + k for k in range(n))
+        bad += not ok
+    rss_big = statm_rss()
+    say(f"bad={bad} rss_growth_small={rss_small - rss0} rss_growth_big={rss_big - rss1} "
+        f"moved_bytes={256 * m * 4}")
+
+
+def _np(a):
+    if GPU:
+        import cupy
+
+        return cupy.asnumpy(a)
+    return np.asarray(a)
+
+
+def bigcount():
+    """all_reduce and broadcast of 2**31 + 5 int8 elements (2 GiB a rank), values checked."""
+    import mpicomm
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    count = 2 ** 31 + 5
+    x = np.empty(count, np.int8)
+    x[:] = r + 1
+    x[-3:] = [r, 2 * r, -r]
+    x[2 ** 31 - 1] = 3 * r
+    y = mpicomm.all_reduce(x)
+    want_fill = sum(k + 1 for k in range(n))
+    ok = (y.shape == (count,) and int(y[0]) == want_fill and int(y[2 ** 30]) == want_fill
+          and list(map(int, y[-3:])) == [sum(range(n)), 2 * sum(range(n)), -sum(range(n))]
+          and int(y[2 ** 31 - 1]) == 3 * sum(range(n)) and bool((y[:2 ** 31 - 1] == want_fill).all()))
+    del y
+    x[:] = r
+    x[-1] = 7 + r
+    mpicomm.broadcast(x, root=n - 1)
+    ok2 = int(x[0]) == n - 1 and int(x[-1]) == 7 + n - 1 and int(x[2 ** 31 + 1]) == n - 1
+    say(f"allreduce_ok={ok} broadcast_ok={ok2}")
+
+
+if __name__ == "__main__":
+    main()
