@@ -317,21 +317,35 @@ class Clock:
         self.comm.Allreduce(MPI_IN_PLACE(), t, op=_mpi_max())
         return float(t[0])
 
-    def time(self, fns, iters, rounds):
-        """Seconds per call of each callable in ``fns`` (None: skipped), interleaved in rounds
-        whose order alternates (a, b, b, a, ...), max over ranks of each total."""
+    def time(self, fns, iters, rounds, stat="mean"):
+        """Seconds per call of each callable in ``fns`` (None: skipped).
+
+        The iterations are split into ``rounds`` interleaved blocks whose order alternates
+        (a, b, b, a, ...), so that noise hits every callable alike. Each block's time is the
+        maximum over ranks; ``stat`` "mean" weighs blocks by their calls (nccl-tests'
+        average), "median" and "min" take that statistic of the per-call block times
+        (robust to bursts of noise from other processes on a shared machine).
+        """
         live = [i for i, f in enumerate(fns) if f is not None]
-        tot = np.zeros(len(fns))
         rounds = max(1, min(rounds, iters))
+        per = np.zeros((rounds, len(fns)))
+        ks = []
         done = 0
         for r in range(rounds):
             k = (iters - done) // (rounds - r)
             done += k
+            ks.append(k)
             order = live if r % 2 == 0 else live[::-1]
             for i in order:
-                tot[i] += self._block(fns[i], k)
-        self.comm.Allreduce(MPI_IN_PLACE(), tot, op=_mpi_max())
-        return [float(t / iters) if fns[i] is not None else None for i, t in enumerate(tot)]
+                per[r, i] = self._block(fns[i], k) / k
+        self.comm.Allreduce(MPI_IN_PLACE(), per, op=_mpi_max())
+        if stat == "median":
+            agg = np.median(per, axis=0)
+        elif stat == "min":
+            agg = per.min(axis=0)
+        else:
+            agg = (per * np.array(ks)[:, None]).sum(axis=0) / iters
+        return [float(agg[i]) if fns[i] is not None else None for i in range(len(fns))]
 
 
 def MPI_IN_PLACE():
@@ -697,7 +711,7 @@ def run_sizes(b, sizes, progress):
         fns = [st.oop, st.raw_oop, st.ip, st.raw_ip]
         b.clock.warm(fns, a.warmup)
         iters = b.iters_for(st.oop or st.ip)
-        t_oop, t_roop, t_ip, t_rip = b.clock.time(fns, iters, a.rounds)
+        t_oop, t_roop, t_ip, t_rip = b.clock.time(fns, iters, a.rounds, a.stat)
         row = {"coll": a.coll, "size": size, "count": count, "type": TYPE_NAMES[str(b.dt)],
                "redop": a.op if a.coll in REDUCING else "none", "root": b.root if a.coll in ROOTED else -1,
                "iters": iters}
@@ -798,7 +812,7 @@ def run_buckets(b, progress):
     for mode, calls, f, raw in modes:
         b.clock.warm([f, raw], max(a.warmup, 1))
         iters = a.iters if a.iters > 0 else max(3, int(a.target_time / max(b.clock.probe(f, 1), 1e-9)))
-        t, tr = b.clock.time([f, raw], iters, a.rounds)
+        t, tr = b.clock.time([f, raw], iters, a.rounds, a.stat)
         alg, bus = bandwidths("all_reduce", nbytes, t, n)
         row = {"coll": "buckets", "mode": mode, "calls": calls, "size": nbytes, "iters": iters,
                "time_us": t * 1e6, "algbw": alg, "busbw": bus, "raw": None}
@@ -842,6 +856,9 @@ def _parser():
     p.add_argument("--compare", action="store_true", help="also time raw mpi4py / raw CuPy NCCL")
     p.add_argument("--rounds", type=int, default=4,
                    help="interleaved rounds the iterations are split into (default 4)")
+    p.add_argument("--stat", choices=("mean", "median", "min"), default="mean",
+                   help="per-call time from the rounds: mean (nccl-tests' average, default), median or min "
+                        "of the rounds (robust to noise from other processes)")
     p.add_argument("--target-time", type=float, default=0.25, help="seconds per size and variant with -n 0")
     p.add_argument("--shapes", default=None, help=f"gradient shapes for --coll buckets (default {SHAPES_FILE})")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row to FILE")
@@ -897,6 +914,7 @@ def main(argv=None):
                                                                       "device_id", None)), root=0)
     meta = {"coll": args.coll, "backend": b.backend, "nranks": n, "dtype": args.dtype, "op": args.op,
             "root": args.root, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+            "stat": args.stat,
             "check": args.check, "compare": args.compare,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "host": socket.gethostname(), "cpus": os.cpu_count(), "argv": sys.argv[1:] if argv is None else list(argv),
@@ -904,7 +922,8 @@ def main(argv=None):
     if b.rank == 0:
         v = meta["versions"]
         print(f"# mpicomm-bench {args.coll}: {n} rank(s), backend {b.backend}, dtype {args.dtype}, "
-              f"op {args.op}, iters {args.iters or 'auto'}, warmup {args.warmup}, check {args.check}"
+              f"op {args.op}, iters {args.iters or 'auto'}, warmup {args.warmup}, check {args.check}, "
+              f"{args.stat} of {args.rounds} interleaved rounds"
               + (", --compare (raw " + ("CuPy NCCL" if b.backend == "nccl" else "mpi4py") + ")"
                  if args.compare else ""))
         print("# " + ", ".join(f"{k} {val}" for k, val in v.items()))
