@@ -21,7 +21,7 @@ status=0
 summary=()
 
 echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
-if timeout -k 20 "$limit" "$py" -m pytest -q -m "not mpi" "$@" tests; then
+if timeout -k 20 "$limit" "$py" -m pytest -q --color=no -p no:cacheprovider -m "not mpi" "$@" tests; then
     summary+=("serial: passed")
 else
     rc=$?; status=1; summary+=("serial: FAILED (exit $rc)")
@@ -33,8 +33,8 @@ for n in $ranks; do
     mkdir -p "$logs/np$n"
     timeout -k 20 "$limit" "$mpirun" "${root_flags[@]}" -n "$n" \
         bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-                 if [ "$r" = 0 ]; then exec "$0" -m pytest -q --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests
-                 else exec "$0" -m pytest -q --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests > "$1/rank.$r.log" 2>&1; fi' \
+                 if [ "$r" = 0 ]; then exec "$0" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests
+                 else exec "$0" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests > "$1/rank.$r.log" 2>&1; fi' \
         "$py" "$logs/np$n" "$@" || rc=$?
     if [ "$rc" = 0 ]; then
         summary+=("mpi x$n: passed")
