@@ -80,10 +80,15 @@ def test_plan_covers_every_collective_op_dtype_group_and_mode():
                         assert (coll, name, op, g, mode) in keys
     assert {c.coll for c in cases} == set(smoke.COLLECTIVES)
     assert {c.count for c in cases} == set(smoke.QUICK_COUNTS)
-    full = smoke.plan(["float32", "int8"], ["world"], quick=False)
+    full = smoke.plan(["float32", "int64"], ["world", "sub"], quick=False, n=4)
     big = max(c.count for c in full if c.dtype == "float32")
-    assert big % 2 == 1 and big * 4 >= 16 << 20  # odd, and tens of MiB
-    assert {"sum", "max"} <= {c.op for c in full if c.count == big and c.coll == "all_reduce"}
+    assert big % 2 == 1 and big * 4 >= 16 << 20  # odd, tens of MiB
+    assert {(c.coll, c.op, c.group, c.mode) for c in full if c.count == big} >= {
+        ("all_reduce", "sum", "world", "sync"), ("all_reduce", "sum", "world", "async"),
+        ("all_reduce", "sum", "sub", "sync"), ("broadcast", None, "world", "sync")}
+    chunked = max(c.count for c in full if c.dtype == "float32" and c.coll == "all_gather")
+    assert 16 << 20 <= chunked * 4 * 4 <= 25 << 20  # n chunks of it: tens of MiB
+    assert max(c.count for c in full if c.dtype == "int64") < 1 << 20  # not a BIG_DTYPE
 
 
 def test_failures_are_merged_per_case_with_the_ranks_that_disagreed():

@@ -43,6 +43,9 @@ PERIOD = 1155
 QUICK_COUNTS = (0, 1, 1001)
 FULL_COUNTS = (0, 1, 2, 7, 127, 1001, 65537, (1 << 18) + 3)
 BIG_BYTES = 24 << 20  # "tens of MiB": the largest buffer of the full run, per rank
+# the dtypes that run at BIG_BYTES: each MPI transport path (native, float16/bfloat16 upcast,
+# 8-byte, complex) once
+BIG_DTYPES = ("int8", "float16", "bfloat16", "float32", "float64", "complex64")
 BREAK_ENV = "MPICOMM_SMOKE_BREAK"
 
 
@@ -195,13 +198,20 @@ def ops_for(dt):
     return ("sum", "prod", "min", "max")
 
 
-def plan(dtypes, groups, quick, big_bytes=BIG_BYTES):
-    """Every case of a run, in the same order on every rank."""
+def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
+    """Every case of a run, in the same order on every rank.
+
+    Every dtype and op runs at the small and medium counts (0 and 1 element, odd
+    counts), sync and async, on every group, and all_reduce also in place. The full run
+    adds one odd count of about ``big_bytes`` per rank (the largest buffer: ``n`` chunks
+    of it for all_gather, reduce_scatter and all_to_all) for one dtype of each transport
+    path (BIG_DTYPES), SUM and data movement, sync on every group and async on the first.
+    """
     counts = QUICK_COUNTS if quick else FULL_COUNTS
     modes = ("sync", "async")
     cases = []
     for coll in COLLECTIVES:
-        for g in groups:
+        for gi, g in enumerate(groups):
             if coll == "barrier":
                 for mode in modes:
                     cases.append(Case(coll, None, None, 0, g, mode))
@@ -209,17 +219,19 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES):
             for name in dtypes:
                 dt = np_dtype(name)
                 ops = ops_for(dt) if coll in REDUCING else (None,)
-                cs = list(counts)
-                if not quick:
-                    cs.append((big_bytes // dt.itemsize) | 1)  # odd, tens of MiB
                 for op in ops:
-                    for count in cs:
-                        if count > counts[-1] and op not in (None, "sum", "max"):
-                            continue  # the largest size: SUM, MAX and data movement only
+                    for count in counts:
                         for mode in modes:
                             cases.append(Case(coll, name, op, count, g, mode))
                         if coll == "all_reduce":
                             cases.append(Case(coll, name, op, count, g, "in-place"))
+                    if quick or name not in BIG_DTYPES or op not in (None, "sum"):
+                        continue
+                    per = big_bytes // dt.itemsize
+                    if coll in ("all_gather", "reduce_scatter", "all_to_all"):
+                        per //= max(n, 1)
+                    for mode in (modes if gi == 0 else modes[:1]):
+                        cases.append(Case(coll, name, op, per | 1, g, mode))  # odd, tens of MiB
     return cases
 
 
@@ -480,7 +492,7 @@ def main(argv=None):
         mc.create_group("smoke_sub", sub)
         groups["sub" + str(sub).replace(" ", "")] = (len(sub), sub.index(rank) if rank in sub else None,
                                                      "smoke_sub")
-    all_cases = plan(common, list(groups), args.quick)
+    all_cases = plan(common, list(groups), args.quick, n=n)
     cases = [c for c in all_cases if c.coll in colls]
     runner = Runner(mc, xp, groups, breaks)
     times = {}
