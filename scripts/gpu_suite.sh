@@ -53,6 +53,9 @@ if want tests; then
         [ -f "$f" ] && step "$(basename "$f" .py)-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" "$f"
     done
 fi
+if want faults && [ -f tests/test_faults.py ]; then
+    step "faults-nccl" 400 "$PY" -m pytest -q -rs -p no:cacheprovider --color=no tests/test_faults.py -k nccl-gpu
+fi
 if want smoke && "$PY" -c "import mpicomm.tools.smoke" 2>/dev/null; then
     step "smoke-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.smoke
 fi
