@@ -38,7 +38,10 @@ print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'cupy', cupy
 print('nccl', nccl.get_version(), '|', MPI.Get_library_version().splitlines()[0])
 try:
     import torch; print('torch', torch.__version__)
-except Exception as e: print('torch missing', e)"
+except Exception as e: print('torch missing', e)
+for m in ('sklearn', 'matplotlib', 'ml_dtypes', 'pytest_mpi'):
+    try: print(m, __import__(m).__version__)
+    except Exception as e: print(m, 'missing', e)"
 } >>"$OUT/gpu_summary.txt" 2>&1
 PYT=("$PY" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi")
 want() { [ "$#" = 0 ] && return 0; for w in "${SECTIONS[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
