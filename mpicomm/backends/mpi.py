@@ -7,7 +7,7 @@ from mpi4py import MPI
 from ..arrays import _TABLE, dtype_info, host_out, to_host
 from ..errors import invalid
 from ..ops import ReduceOp, check_op_dtype
-from . import _bigcount
+from . import _bigcount, shm as _shm
 from .base import Backend, Work
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
@@ -53,6 +53,7 @@ class MPIComm:
         self.size = comm.Get_size()
         self._opcache = {}
         self.shm = None  # optional single-host shared-memory fast path (mpicomm.backends.shm)
+        _shm.configure(self)  # self.shm_min_<collective>: bytes from which it is tried
 
     def close(self):
         if self.shm is not None:
@@ -108,6 +109,10 @@ class MPIComm:
             o, wb = out, None  # the usual out=: host_out's checks in one expression (-175 ns a call)
         else:
             o, wb = host_out(out, x.shape, x.dtype)
+        if x.nbytes >= self.shm_min_all_reduce:
+            r = _shm.all_reduce(self, x, o, info, op, _post(o, wb, back), async_op)
+            if r is not None:
+                return r
         if x.size > _MAX_COUNT:
             return _bigcount.all_reduce(self, x, op, o, wb, back, async_op)
         n = self.size
@@ -144,6 +149,10 @@ class MPIComm:
         n = self.size
         shape = (n * x.shape[0],) + x.shape[1:] if x.ndim else (n,)
         o, wb = self._out(x, out, shape)
+        if o.nbytes >= self.shm_min_all_gather:
+            r = _shm.all_gather(self, x, o, _post(o, wb, back), async_op)
+            if r is not None:
+                return r
         if o.size > _MAX_COUNT:
             return _bigcount.all_gather(self, x, o, wb, back, async_op)
         sb, rb = [x, x.size, info.mpi], [o, info.mpi]
@@ -161,6 +170,10 @@ class MPIComm:
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
         shape = (x.shape[0] // n,) + x.shape[1:]
         o, wb = self._out(x, out, shape)
+        if x.nbytes >= self.shm_min_reduce_scatter:
+            r = _shm.reduce_scatter(self, x, o, info, op, _post(o, wb, back), async_op)
+            if r is not None:
+                return r
         if x.size > _MAX_COUNT:
             return _bigcount.reduce_scatter(self, x, op, o, wb, back, async_op)
         if info.upcast:
@@ -198,6 +211,10 @@ class MPIComm:
                 h[...] = to_host(x)[0]
         info = _TABLE.get(h.dtype) or dtype_info(h.dtype)
         post = (lambda: wb(h)) if wb is not None else None
+        if h.nbytes >= self.shm_min_broadcast:
+            r = _shm.broadcast(self, h, root, x, post, async_op)
+            if r is not None:
+                return r
         if h.size > _MAX_COUNT:
             return _bigcount.broadcast(self, h, root, x, post, async_op)
         b = [h, info.mpi]
@@ -287,6 +304,11 @@ class MPIComm:
             raise invalid(arg, r, f"another rank of the group (0..{self.size - 1}, not this rank "
                           f"{self.rank}: a blocking send to oneself would never complete)")
         return r
+
+
+def _post(o, wb, back):
+    """The post-step of a shared-memory collective: the write-back, if any."""
+    return (lambda: _finish(o, wb, back)) if (wb is not None or back is not None) else None
 
 
 def _finish(o, wb, back):

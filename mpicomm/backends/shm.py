@@ -1,0 +1,472 @@
+"""Shared-memory collectives for groups whose ranks all share one host (MPI backend).
+
+Open MPI moves large messages between processes of one host through small shared
+fragments and reaches a fraction of the memory bandwidth (docs/BENCHMARKS.md). Here
+every rank of the group maps every peer's segment of one MPI-3 shared window
+(``MPI.Win.Allocate_shared`` + ``Win.Shared_query``) and NumPy reads the peers'
+memory directly:
+
+- all_reduce is a reduce-scatter then an all-gather: rank r copies chunk j of its
+  input into slot j of its segment (j != r); barrier; rank r reduces chunk r over
+  ranks 0, 1, ..., n-1 in that order (its own operand straight from its input) into
+  slot r of its segment; barrier; every rank copies slot j of rank j's segment into
+  chunk j of its output.
+- reduce_scatter is the first half of that, reducing into the caller's output.
+- all_gather: each rank copies its input into its segment; barrier; each copies the
+  peers' segments into its output.
+- broadcast: root copies into its segment; barrier; the others copy out.
+
+Messages larger than a piece (MPICOMM_SHM_PIECE, default 2 MiB of segment) are done
+piece by piece, alternating between two buffers in every segment, so the working set
+stays in the last-level cache. Every piece has at least one barrier, and a piece
+reads peers' buffer b only after its own barrier, so piece k+2 (same buffer) may
+overwrite it only after every peer has passed piece k+1's barrier, that is, finished
+reading piece k. The piece counter runs on across calls and collectives alike, so
+the same holds from one collective to the next.
+
+Synchronisation is ``Win.Sync`` (memory barrier; the window is in a passive-target
+epoch from ``Lock_all``) around ``Barrier``/``Ibarrier`` of the window's own
+communicator, so it never matches mpicomm's other traffic on the group.
+
+Results: integers exactly as the ordinary path (wrap-around arithmetic is
+associative). Floats are reduced in the fixed order rank 0, 1, ..., n-1, once per
+element, and copied to every rank: the same on every rank and from run to run
+(at 2 ranks also bit-identical to Open MPI's, since a + b == b + a). float16 and
+bfloat16 are reduced in float32 and rounded once, as on the ordinary path. MIN/MAX
+propagate NaN (np.minimum/np.maximum).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import invalid
+from ..ops import ReduceOp
+from .base import Work
+
+NEVER = sys.maxsize
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+# Smallest message (bytes: the input of all_reduce / reduce_scatter / broadcast, the
+# *output* of all_gather) that takes the shared-memory path, measured on the 2-core
+# machine at 2 and 4 ranks (docs/BENCHMARKS.md, "CPU shared-memory path"): below
+# 128-256 KiB the two barriers cost more than Open MPI's eager copies.
+DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": 256 << 10,
+                     "reduce_scatter": 256 << 10, "broadcast": 256 << 10}
+# Between two processes Open MPI moves all_gather and broadcast with a single copy
+# each, which two copies through shared memory cannot beat (measured 3-4x slower).
+_NOT_AT_TWO = ("all_gather", "broadcast")
+DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
+_WHOLE = 1 << 60          # a piece size that means "the whole message"
+_ALIGN = 64               # slot alignment: a cache line, so ranks never share one
+_F32 = np.dtype(np.float32)
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+_OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
+
+
+def _bytes(name, text):
+    """Parse '262144', '256K', '4M', '1G' (binary units) from environment variable ``name``."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    if s and s[-1] in "KMG":
+        mult = 1 << (10 * ("KMG".index(s[-1]) + 1))
+        s = s[:-1]
+    try:
+        v = int(s) * mult
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise invalid(name, text, "a size in bytes >= 0 (e.g. 262144, 256K, 4M), or 'off'")
+    return v
+
+
+def thresholds(size, env=os.environ):
+    """Per collective, the smallest message in bytes that takes the shared-memory path
+    (NEVER for a group of one rank or with MPICOMM_SHM_THRESHOLD=off).
+
+    MPICOMM_SHM_THRESHOLD=BYTES sets all four (0: every non-empty message), at
+    any group size.
+    """
+    v = env.get("MPICOMM_SHM_THRESHOLD", "").strip()
+    if size < 2 or v.lower() in _OFF:
+        return dict.fromkeys(COLLECTIVES, NEVER)
+    if v == "":
+        t = dict(DEFAULT_THRESHOLD)
+        if size == 2:
+            t.update(dict.fromkeys(_NOT_AT_TWO, NEVER))
+        return t
+    return dict.fromkeys(COLLECTIVES, max(1, _bytes("MPICOMM_SHM_THRESHOLD", v)))
+
+
+def configure(mc, env=os.environ):
+    """Set the dispatch thresholds of an MPIComm ``mc`` (one attribute per collective,
+    so that the small-message path pays one integer compare)."""
+    t = thresholds(mc.size, env)
+    mc.shm_min_all_reduce = t["all_reduce"]
+    mc.shm_min_all_gather = t["all_gather"]
+    mc.shm_min_reduce_scatter = t["reduce_scatter"]
+    mc.shm_min_broadcast = t["broadcast"]
+
+
+def disable(mc):
+    configure(mc, {"MPICOMM_SHM_THRESHOLD": "off"})
+
+
+def _piece_bytes(env=os.environ):
+    v = env.get("MPICOMM_SHM_PIECE", "").strip()
+    p = DEFAULT_PIECE if v == "" else _bytes("MPICOMM_SHM_PIECE", v)
+    if p == 0:
+        return _WHOLE           # 0: one piece per message (the window grows to the message)
+    return max(p, 64 << 10)
+
+
+def _round(v, a=_ALIGN):
+    return -(-v // a) * a
+
+
+class ShmGroup:
+    """The shared window of one group, and the collectives done through it."""
+
+    def __init__(self, node, piece):
+        self.comm = node                  # the group's ranks, in group order; own context
+        self.rank = node.Get_rank()
+        self.size = node.Get_size()
+        self.piece = piece                # cap on the bytes of one buffer of a segment
+        self.win = None
+        self.seg = 0                      # bytes of one buffer of one rank's segment
+        self.bufs = None                  # bufs[b][j]: buffer b of rank j's segment (uint8)
+        self.k = 0                        # pieces done so far; piece k uses buffer k & 1
+        self.pending = None               # an async collective not yet completed
+        self.calls = dict.fromkeys(COLLECTIVES, 0)   # collectives that took this path
+        self.grows = 0                    # window (re)allocations
+        self._acc = np.empty(0, _F32)     # float32 accumulator for float16 / bfloat16
+
+    # ----------------------------------------------------------- setup
+    @classmethod
+    def open(cls, comm, piece=None):
+        """A ShmGroup over MPI communicator ``comm`` when all its ranks share a host and
+        shared windows work, else None (the same answer on every rank). Collective."""
+        try:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        except MPI.Exception:
+            node = MPI.COMM_NULL
+        mine = node != MPI.COMM_NULL and node.Get_size() == comm.Get_size() \
+            and node.Get_rank() == comm.Get_rank()
+        # one host <=> every rank's node is the whole group; agree anyway (cheap, once)
+        if not comm.allreduce(bool(mine), op=MPI.LAND):
+            if node != MPI.COMM_NULL:
+                node.Free()
+            return None
+        # the window is allocated at the first collective (a failure there is agreed on
+        # and turns the path off, as here)
+        return cls(node, _piece_bytes() if piece is None else piece)
+
+    def _grow(self, need):
+        """Make every buffer at least ``need`` bytes (collective; all ranks pass the
+        same ``need``). False, on every rank, if the window cannot be allocated."""
+        if need <= self.seg:
+            return True
+        # pipelined: one allocation of a whole piece (every collective's need fits it);
+        # one piece per message: grow by at least 2x
+        target = self.piece if self.piece < _WHOLE else 2 * self.seg
+        seg = _round(max(need, target), 4096)
+        self._free_win()
+        win, err = None, None
+        try:
+            win = MPI.Win.Allocate_shared(2 * seg, 1, MPI.INFO_NULL, self.comm)
+        except MPI.Exception as e:
+            err = e
+        if not self.comm.allreduce(err is None, op=MPI.LAND):
+            if win is not None:
+                win.Free()
+            return False
+        win.Lock_all(MPI.MODE_NOCHECK)
+        views = []
+        for j in range(self.size):
+            buf, _ = win.Shared_query(j)
+            views.append(np.frombuffer(buf, np.uint8, 2 * seg))
+        self.bufs = [[v[:seg] for v in views], [v[seg:] for v in views]]
+        self.win, self.seg = win, seg
+        self.grows += 1
+        return True
+
+    def _free_win(self):
+        if self.win is not None:
+            self.bufs = None
+            self.win.Unlock_all()
+            self.win.Free()            # collective, and a barrier: no peer reads it after
+            self.win, self.seg = None, 0
+
+    def close(self):
+        self.finish_pending()
+        self._free_win()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    # ----------------------------------------------------------- driving
+    def finish_pending(self):
+        w = self.pending
+        if w is not None:
+            self.pending = None
+            w.wait(timeout=float("inf"))
+
+    def run(self, name, gen, result, post, async_op, what):
+        """Run collective generator ``gen`` (it yields at every barrier). The caller has
+        completed any pending one first: barriers are matched by order, so the pieces of
+        two collectives must never interleave."""
+        self.calls[name] += 1
+        if async_op:
+            w = ShmWork(self, gen, result, post, what)
+            self.pending = w
+            w._poll()
+            return w
+        win, bar = self.win, self.comm.Barrier
+        for _ in gen:
+            win.Sync()
+            bar()
+            win.Sync()
+        if post is not None:
+            r = post()
+            if r is not None:
+                return r
+        return result
+
+    # ----------------------------------------------------------- collectives
+    def all_reduce(self, x, o, info, op):
+        self.finish_pending()
+        n, r, isz = self.size, self.rank, x.itemsize
+        a = _ALIGN // isz if isz <= _ALIGN else 1
+        pe = max(n * a, (self.piece // isz) // (n * a) * (n * a))   # elements of a piece
+        c = x.size
+        q = _round(-(-min(pe, c) // n), a)                           # elements of a slot
+        if not self._grow(n * q * isz):
+            return None
+        return self._all_reduce(x.reshape(-1), o.reshape(-1), info, op, pe, isz)
+
+    def _all_reduce(self, xf, of, info, op, pe, isz):
+        n, r = self.size, self.rank
+        dt = xf.dtype
+        ufunc = _UFUNC[op]
+        c = xf.size
+        a = _ALIGN // isz if isz <= _ALIGN else 1
+        for start in range(0, c, pe):
+            stop = min(start + pe, c)
+            q = _round(-(-(stop - start) // n), a)
+            qb = q * isz
+            b = self.k & 1
+            self.k += 1
+            bufs = self.bufs[b]
+            mine = bufs[r]
+            lo = [min(start + j * q, stop) for j in range(n + 1)]
+            for j in range(n):
+                if j != r and lo[j + 1] > lo[j]:
+                    mine[j * qb:j * qb + (lo[j + 1] - lo[j]) * isz].view(dt)[...] = xf[lo[j]:lo[j + 1]]
+            yield
+            m = lo[r + 1] - lo[r]
+            if m:
+                dst = mine[r * qb:r * qb + m * isz].view(dt)
+                ops = [xf[lo[r]:lo[r + 1]] if j == r else bufs[j][r * qb:r * qb + m * isz].view(dt)
+                       for j in range(n)]
+                self._reduce(ops, dst, op, ufunc, info.upcast, m)
+            yield
+            for j in range(n):
+                if lo[j + 1] > lo[j]:
+                    of[lo[j]:lo[j + 1]] = bufs[j][j * qb:j * qb + (lo[j + 1] - lo[j]) * isz].view(dt)
+
+    def _reduce(self, ops, dst, op, ufunc, upcast, m):
+        """dst = ops[0] op ops[1] op ... (left to right); AVG divides by n."""
+        n = len(ops)
+        if upcast:
+            if self._acc.size < m:
+                self._acc = np.empty(m, _F32)
+            acc = self._acc[:m]
+            ufunc(ops[0], ops[1], out=acc, dtype=_F32)
+            for v in ops[2:]:
+                ufunc(acc, v, out=acc, dtype=_F32)
+            if op is ReduceOp.AVG:
+                np.divide(acc, n, out=acc)
+            dst[...] = acc
+            return
+        ufunc(ops[0], ops[1], out=dst)
+        for v in ops[2:]:
+            ufunc(dst, v, out=dst)
+        if op is ReduceOp.AVG:
+            np.divide(dst, n, out=dst)
+
+    def reduce_scatter(self, x, o, info, op):
+        self.finish_pending()
+        n, isz = self.size, x.itemsize
+        a = _ALIGN // isz if isz <= _ALIGN else 1
+        cc = x.size // n
+        pe = max(a, (self.piece // isz) // (n * a) * a)               # elements of a slot
+        q = _round(min(pe, cc), a)
+        if not self._grow(n * q * isz):
+            return None
+        return self._reduce_scatter(x.reshape(-1), o.reshape(-1), info, op, pe, isz)
+
+    def _reduce_scatter(self, xf, of, info, op, pe, isz):
+        n, r = self.size, self.rank
+        dt = xf.dtype
+        ufunc = _UFUNC[op]
+        cc = xf.size // n
+        a = _ALIGN // isz if isz <= _ALIGN else 1
+        for start in range(0, cc, pe):
+            stop = min(start + pe, cc)
+            m = stop - start
+            qb = _round(m, a) * isz
+            b = self.k & 1
+            self.k += 1
+            bufs = self.bufs[b]
+            mine = bufs[r]
+            for j in range(n):
+                if j != r:
+                    mine[j * qb:j * qb + m * isz].view(dt)[...] = xf[j * cc + start:j * cc + stop]
+            yield
+            ops = [xf[r * cc + start:r * cc + stop] if j == r else bufs[j][r * qb:r * qb + m * isz].view(dt)
+                   for j in range(n)]
+            self._reduce(ops, of[start:stop], op, ufunc, info.upcast, m)
+
+    def all_gather(self, x, o):
+        self.finish_pending()
+        need = min(x.nbytes, self.piece)
+        if not self._grow(need):
+            return None
+        return self._all_gather(x.reshape(-1).view(np.uint8), o.reshape(-1).view(np.uint8))
+
+    def _all_gather(self, xb, ob):
+        n, r = self.size, self.rank
+        mb = xb.size
+        ob[r * mb:(r + 1) * mb] = xb            # own part straight, before the first barrier
+        p = min(self.seg, self.piece)
+        for start in range(0, mb, p):
+            stop = min(start + p, mb)
+            b = self.k & 1
+            self.k += 1
+            bufs = self.bufs[b]
+            bufs[r][:stop - start] = xb[start:stop]
+            yield
+            for j in range(n):
+                if j != r:
+                    ob[j * mb + start:j * mb + stop] = bufs[j][:stop - start]
+
+    def broadcast(self, h, root):
+        self.finish_pending()
+        need = min(h.nbytes, self.piece)
+        if not self._grow(need):
+            return None
+        return self._broadcast(h.reshape(-1).view(np.uint8), root)
+
+    def _broadcast(self, hb, root):
+        is_root = self.rank == root
+        mb = hb.size
+        p = min(self.seg, self.piece)
+        for start in range(0, mb, p):
+            stop = min(start + p, mb)
+            b = self.k & 1
+            self.k += 1
+            src = self.bufs[b][root]
+            if is_root:
+                src[:stop - start] = hb[start:stop]
+            yield
+            if not is_root:
+                hb[start:stop] = src[:stop - start]
+
+
+class ShmWork(Work):
+    """An asynchronous shared-memory collective: advanced piece by piece from
+    ``is_completed()`` / ``wait()`` (and completed before the group's next
+    shared-memory collective starts), with a non-blocking barrier between steps."""
+
+    __slots__ = ("_g", "_gen", "_req", "_post")
+
+    def __init__(self, g, gen, result, post, what):
+        super().__init__(result, what)
+        self._g = g
+        self._gen = gen
+        self._req = None
+        self._post = post
+
+    def _poll(self):
+        g = self._g
+        if self._gen is None:
+            return True
+        if self._req is not None:
+            if not self._req.Test():
+                return False
+            g.win.Sync()
+        try:
+            next(self._gen)          # the step up to the next barrier
+        except StopIteration:
+            self._gen = self._req = None
+            if g.pending is self:
+                g.pending = None
+            return True
+        g.win.Sync()
+        self._req = g.comm.Ibarrier()
+        return False
+
+    def _finish(self):
+        if self._post is not None:
+            r = self._post()
+            if r is not None:
+                self._result = r
+
+
+# --------------------------------------------------------------- MPIComm entry points
+# Each returns the collective's result (or Work), or None when the ordinary path must
+# run instead: the group spans hosts or the window cannot be allocated. Both are found
+# collectively, alike on every rank, and remembered (the thresholds become NEVER).
+
+def _group(mc):
+    g = mc.shm
+    if g is None:
+        g = ShmGroup.open(mc.comm)
+        if g is None:
+            disable(mc)
+            return None
+        mc.shm = g
+    return g
+
+
+def _go(mc, g, name, gen, result, post, async_op, what):
+    if gen is None:              # the window could not grow (on every rank alike)
+        disable(mc)
+        return None
+    return g.run(name, gen, result, post, async_op, what)
+
+
+def all_reduce(mc, x, o, info, op, post, async_op):
+    g = _group(mc)
+    if g is None:
+        return None
+    return _go(mc, g, "all_reduce", g.all_reduce(x, o, info, op), o, post, async_op,
+               ("all_reduce", x.shape, x.dtype))
+
+
+def reduce_scatter(mc, x, o, info, op, post, async_op):
+    g = _group(mc)
+    if g is None:
+        return None
+    return _go(mc, g, "reduce_scatter", g.reduce_scatter(x, o, info, op), o, post, async_op,
+               ("reduce_scatter", x.shape, x.dtype))
+
+
+def all_gather(mc, x, o, post, async_op):
+    g = _group(mc)
+    if g is None:
+        return None
+    return _go(mc, g, "all_gather", g.all_gather(x, o), o, post, async_op,
+               ("all_gather", x.shape, x.dtype))
+
+
+def broadcast(mc, h, root, result, post, async_op):
+    g = _group(mc)
+    if g is None:
+        return None
+    return _go(mc, g, "broadcast", g.broadcast(h, root), result, post, async_op,
+               ("broadcast", h.shape, h.dtype))

@@ -1,0 +1,429 @@
+"""The single-host shared-memory path of the MPI backend (mpicomm/backends/shm.py).
+
+Most tests lower the thresholds to a few hundred bytes and the piece to 4 KiB (on the
+group's MPIComm, alike on every rank), so that small arrays take the path, in several
+pieces; expectations are computed with NumPy from every rank's data, and results are
+also compared with the ordinary (Open MPI) path. At 1 rank the path is never taken and
+the same calls check the ordinary path.
+"""
+import hashlib
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mpicomm
+from mpicomm import ReduceOp
+from mpicomm.backends import shm as _shm
+from mpicomm.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.mpi
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16, BF16,
+          np.float32, np.float64, np.complex64, np.complex128]
+OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
+THRESHOLD = 512      # bytes, in these tests
+PIECE = 4096         # bytes of a segment buffer, in these tests: many pieces per call
+
+
+def allowed(op, dt):
+    dt = np.dtype(dt)
+    if dt.kind == "c":
+        return op in (ReduceOp.SUM, ReduceOp.AVG)
+    if op is ReduceOp.AVG:
+        return dt.kind == "f" or dt == BF16
+    return True
+
+
+def data(rank, key, shape, dt, op=ReduceOp.SUM):
+    """Rank-dependent random data that keeps SUM and PROD exact in the dtype."""
+    g = np.random.default_rng([rank, zlib.crc32(key.encode())])
+    dt = np.dtype(dt)
+    if op is ReduceOp.PROD:
+        v = g.choice(np.array([1, 2, -1, 1, 1, 3] if dt.kind != "u" else [1, 2, 1, 1, 3]), size=shape)
+    elif dt.kind in "iu":
+        v = g.integers(0 if dt.kind == "u" else -20, 21, size=shape)
+    else:
+        v = g.integers(-64, 65, size=shape) / 4.0
+    if dt.kind == "c":
+        return (v + 1j * (g.integers(-64, 65, size=shape) / 4.0)).astype(dt)
+    return v.astype(dt)
+
+
+def reduce_np(arrs, op):
+    dt = arrs[0].dtype
+    wide = np.complex128 if dt.kind == "c" else (np.int64 if dt.kind in "iu" else np.float64)
+    s = np.stack([a.astype(wide) for a in arrs])
+    r = {ReduceOp.SUM: lambda: s.sum(0), ReduceOp.PROD: lambda: s.prod(0), ReduceOp.MIN: lambda: s.min(0),
+         ReduceOp.MAX: lambda: s.max(0), ReduceOp.AVG: lambda: s.sum(0) / len(arrs)}[op]()
+    return r.astype(dt)
+
+
+def assert_close(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    if a.dtype.kind in "iu":
+        np.testing.assert_array_equal(a, b)
+    else:
+        tol = 1e-2 if a.dtype.itemsize == 2 else 1e-6
+        wide = np.complex128 if a.dtype.kind == "c" else np.float64
+        np.testing.assert_allclose(a.astype(wide), b.astype(wide), rtol=tol, atol=tol)
+
+
+def digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def same_on_every_rank(group, a):
+    g = mpicomm.comm.CTX.world if group is None else mpicomm.comm.CTX.groups[group]
+    d = g.mpi_comm.allgather(digest(a))
+    assert len(set(d)) == 1, d
+
+
+def impl(group=None):
+    return mpicomm.comm.get_group(group).impl
+
+
+def calls(group, name):
+    s = impl(group).shm
+    return 0 if s is None else s.calls[name]
+
+
+def sub_ranks(n):
+    """[n-1, ..., 0] at 2 ranks, [n-1, ..., 1] above: group rank != world rank."""
+    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
+
+
+@pytest.fixture(scope="module")
+def groups(comm):
+    """The world and a reversed sub-group (None for ranks outside it), small thresholds."""
+    n = mpicomm.get_group_size()
+    if "shm_rev" not in mpicomm.comm.CTX.groups:
+        mpicomm.create_group("shm_rev", sub_ranks(n))
+    mine = [None] + (["shm_rev"] if mpicomm.get_rank() in sub_ranks(n) else [])
+    for name in mine:
+        _shm.configure(impl(name), {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+    yield mine
+    for name in mine:
+        _shm.configure(impl(name))
+        if impl(name).shm is not None:
+            impl(name).shm.piece = _shm._piece_bytes()
+
+
+def small_pieces(group):
+    """Open the group's window if the path is available, and make pieces small."""
+    m = impl(group)
+    if m.size > 1 and m.shm is None:
+        _shm._group(m)
+    if m.shm is not None:
+        m.shm.piece = PIECE
+    return m
+
+
+def expect_path(group, name, before, taken=True):
+    if impl(group).size > 1:
+        assert (calls(group, name) > before) == taken, (name, calls(group, name), before)
+
+
+def rank_data(group, key, shape, dt, op=ReduceOp.SUM):
+    """(this rank's array, every rank's arrays), keyed by world rank."""
+    world = mpicomm.comm.get_group(group).ranks
+    arrs = [np.asarray(data(w, key, shape, dt, op)) for w in world]
+    return arrs[mpicomm.get_rank(group)].copy(), arrs
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+SHAPES = [(7,), (1000,), (3001,), (33, 65)]   # below and above THRESHOLD; uneven; many pieces
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_all_reduce_matches_numpy(groups, dt, op):
+    if not allowed(op, dt):
+        pytest.skip(f"{op} is not defined for {np.dtype(dt).name}")
+    for group in groups:
+        small_pieces(group)
+        for shape in SHAPES:
+            x, arrs = rank_data(group, f"ar{shape}{op}", shape, dt, op)
+            before = calls(group, "all_reduce")
+            y = mpicomm.all_reduce(x, op, group=group)
+            expect_path(group, "all_reduce", before, x.nbytes >= THRESHOLD)
+            assert_close(y, reduce_np(arrs, op))
+            if np.dtype(dt).kind not in "iu":
+                same_on_every_rank(group, y)
+
+
+@pytest.mark.parametrize("dt", [np.int32, np.uint8, np.float32, BF16, np.complex64], ids=lambda d: np.dtype(d).name)
+def test_all_reduce_same_as_ordinary_path(groups, dt):
+    """Integers: identical to Open MPI's result; floats: at 2 ranks too (a+b == b+a),
+    and bit-identical from call to call."""
+    for group in groups:
+        m = small_pieces(group)
+        x, _ = rank_data(group, "ord", (5000,), dt)
+        y = mpicomm.all_reduce(x, group=group)
+        y2 = mpicomm.all_reduce(x, group=group)
+        assert digest(y) == digest(y2)
+        _shm.disable(m)
+        try:
+            before = calls(group, "all_reduce")
+            z = mpicomm.all_reduce(x, group=group)
+            assert calls(group, "all_reduce") == before
+        finally:
+            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+        if np.dtype(dt).kind in "iu" or m.size <= 2:
+            np.testing.assert_array_equal(y, z)
+        else:
+            assert_close(y, z)
+
+
+def test_all_reduce_in_place_and_out(groups):
+    for group in groups:
+        small_pieces(group)
+        x, arrs = rank_data(group, "inplace", (2, 3001), np.float64)
+        want = reduce_np(arrs, ReduceOp.SUM)
+        before = calls(group, "all_reduce")
+        r = mpicomm.all_reduce(x, out=x, group=group)
+        assert r is x
+        assert_close(x, want)
+        o = np.empty_like(x)
+        x2, _ = rank_data(group, "inplace", (2, 3001), np.float64)
+        assert mpicomm.all_reduce(x2, ReduceOp.MAX, out=o, group=group) is o
+        assert_close(o, reduce_np(arrs, ReduceOp.MAX))
+        expect_path(group, "all_reduce", before + 1)
+
+
+def test_all_reduce_non_contiguous_input(groups):
+    for group in groups:
+        small_pieces(group)
+        x, arrs = rank_data(group, "strided", (400, 6), np.int32)
+        y = mpicomm.all_reduce(x[:, ::2], group=group)
+        assert_close(y, reduce_np([a[:, ::2] for a in arrs], ReduceOp.SUM))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 129, 1021, 4097])
+def test_uneven_counts(groups, count):
+    """Counts that do not divide by the group size or the alignment (some ranks get an
+    empty chunk at small counts)."""
+    _shm_all = {"MPICOMM_SHM_THRESHOLD": "1"}
+    for group in groups:
+        m = small_pieces(group)
+        _shm.configure(m, _shm_all)
+        try:
+            x, arrs = rank_data(group, f"uneven{count}", (count,), np.int64)
+            before = calls(group, "all_reduce")
+            assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+            expect_path(group, "all_reduce", before)
+            g = mpicomm.all_gather(x, group=group)
+            assert_close(g, np.concatenate(arrs))
+            b = x.copy()
+            mpicomm.broadcast(b, root=m.size - 1, group=group)
+            assert_close(b, arrs[-1])
+            xs, arrs = rank_data(group, f"unevenrs{count}", (count * m.size,), np.int64)
+            assert_close(mpicomm.reduce_scatter(xs, group=group),
+                         reduce_np(arrs, ReduceOp.SUM)[m.rank * count:(m.rank + 1) * count])
+        finally:
+            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+
+
+# --------------------------------------------------------------------------- the others
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_reduce_scatter_matches_numpy(groups, dt, op):
+    if not allowed(op, dt):
+        pytest.skip(f"{op} is not defined for {np.dtype(dt).name}")
+    for group in groups:
+        m = small_pieces(group)
+        n = m.size
+        for rows in (1, 250, 1501):
+            x, arrs = rank_data(group, f"rs{rows}{op}", (rows * n, 2), dt, op)
+            before = calls(group, "reduce_scatter")
+            y = mpicomm.reduce_scatter(x, op, group=group)
+            expect_path(group, "reduce_scatter", before, x.nbytes >= THRESHOLD)
+            assert_close(y, reduce_np(arrs, op)[m.rank * rows:(m.rank + 1) * rows])
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_all_gather_and_broadcast_match_numpy(groups, dt):
+    for group in groups:
+        m = small_pieces(group)
+        for shape in [(3,), (700, 3), (5000,)]:
+            x, arrs = rank_data(group, f"ag{shape}", shape, dt)
+            before = calls(group, "all_gather")
+            y = mpicomm.all_gather(x, group=group)
+            expect_path(group, "all_gather", before, y.nbytes >= THRESHOLD)
+            assert_close(y, np.concatenate(arrs))
+            for root in sorted({0, m.size - 1}):
+                b = x.copy()
+                before = calls(group, "broadcast")
+                assert mpicomm.broadcast(b, root=root, group=group) is b
+                expect_path(group, "broadcast", before, b.nbytes >= THRESHOLD)
+                assert_close(b, arrs[root])
+
+
+def test_scalar_all_gather(groups):
+    for group in groups:
+        small_pieces(group)
+        _shm.configure(impl(group), {"MPICOMM_SHM_THRESHOLD": "1"})
+        try:
+            x, arrs = rank_data(group, "scalar", (), np.float64)
+            assert_close(mpicomm.all_gather(x, group=group), np.stack(arrs))
+            assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+        finally:
+            _shm.configure(impl(group), {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+
+
+# --------------------------------------------------------------------------- async, mixing
+
+def test_async_and_interleaved(groups):
+    """Several async shared-memory collectives in flight, mixed with ordinary (small)
+    collectives and blocking ones: every result right; waits in any order."""
+    for group in groups:
+        m = small_pieces(group)
+        n = m.size
+        a, arrs_a = rank_data(group, "async_a", (6001,), np.float32)
+        b, arrs_b = rank_data(group, "async_b", (3000 * n,), np.int32)
+        c, arrs_c = rank_data(group, "async_c", (2001,), np.int64)
+        s, arrs_s = rank_data(group, "async_s", (3,), np.int64)
+        before = calls(group, "all_reduce")
+        w1 = mpicomm.all_reduce(a, async_op=True, group=group)
+        w2 = mpicomm.reduce_scatter(b, ReduceOp.MAX, async_op=True, group=group)
+        small = mpicomm.all_reduce(s, group=group)            # ordinary path in between
+        w3 = mpicomm.all_gather(c, async_op=True, group=group)
+        d = c.copy()
+        w4 = mpicomm.broadcast(d, root=n - 1, async_op=True, group=group)
+        w3.is_completed()
+        blocking = mpicomm.all_reduce(c, ReduceOp.MIN, group=group)
+        assert_close(w4.wait(), arrs_c[-1])
+        assert_close(w2.wait(), reduce_np(arrs_b, ReduceOp.MAX)[m.rank * 3000:(m.rank + 1) * 3000])
+        assert_close(w1.wait(), reduce_np(arrs_a, ReduceOp.SUM))
+        assert_close(w3.wait(), np.concatenate(arrs_c))
+        assert w1.is_completed() and w3.is_completed()
+        assert_close(small, reduce_np(arrs_s, ReduceOp.SUM))
+        assert_close(blocking, reduce_np(arrs_c, ReduceOp.MIN))
+        expect_path(group, "all_reduce", before + 1)
+
+
+def test_async_polling_completes(groups):
+    for group in groups:
+        small_pieces(group)
+        x, arrs = rank_data(group, "poll", (9000,), np.float64)
+        w = mpicomm.all_reduce(x, ReduceOp.AVG, async_op=True, group=group)
+        for _ in range(10_000_000):
+            if w.is_completed():
+                break
+        assert_close(w.wait(), reduce_np(arrs, ReduceOp.AVG))
+
+
+# --------------------------------------------------------------------------- the window
+
+def test_window_grows_and_results_stay_right(groups):
+    for group in groups:
+        m = small_pieces(group)
+        if m.shm is None:
+            continue
+        g = m.shm
+        g.piece = 1 << 30                    # one piece per message: the window must grow
+        try:
+            grows = g.grows
+            for count in (20_000, 50_000, 120_000, 20_000, 120_000):
+                x, arrs = rank_data(group, f"grow{count}", (count,), np.int32)
+                assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+                y = mpicomm.all_gather(x, group=group)
+                assert_close(y, np.concatenate(arrs))
+            assert g.grows > grows
+            assert g.seg >= 120_000 * 4
+        finally:
+            g.piece = PIECE
+
+
+def test_real_threshold(groups):
+    """With the default thresholds: just below stays on Open MPI, just above takes the path."""
+    for group in groups:
+        m = impl(group)
+        _shm.configure(m, {})
+        try:
+            t = m.shm_min_all_reduce
+            if m.size == 1:
+                assert t == _shm.NEVER
+                continue
+            assert t == _shm.DEFAULT_THRESHOLD["all_reduce"]
+            for count, taken in ((t // 4 - 16, False), (t // 4 + 16, True)):
+                x, arrs = rank_data(group, f"real{count}", (count,), np.float32)
+                before = calls(group, "all_reduce")
+                assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+                expect_path(group, "all_reduce", before, taken)
+        finally:
+            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+
+
+def test_single_rank_never_takes_the_path(comm):
+    if mpicomm.get_group_size() != 1:
+        pytest.skip("needs a group of one rank: at 1 rank")
+    m = impl()
+    assert m.shm_min_all_reduce == _shm.NEVER and m.shm is None
+
+
+class _SplitAsIfOnOtherHosts:
+    """A communicator whose shared-memory split gives every rank a node of its own, as
+    ``Split_type(COMM_TYPE_SHARED)`` does for ranks on different hosts. Everything else
+    is the real communicator. (The real cross-host case is tests/test_two_host.py.)"""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Split_type(self, split_type, key=0, info=None):
+        return self._comm.Split(self._comm.Get_rank(), key)
+
+
+def test_group_across_hosts_is_unavailable(comm):
+    """The decision rule: unless every rank's shared-memory node is the whole group,
+    ShmGroup.open says no (on every rank), and the collectives take the ordinary path."""
+    from mpicomm.backends.mpi import MPIComm
+
+    world = mpicomm.comm.CTX.world.mpi_comm
+    if world.Get_size() == 1:
+        pytest.skip("one rank is always on one host")
+    dup = world.Dup()
+    try:
+        assert _shm.ShmGroup.open(_SplitAsIfOnOtherHosts(dup)) is None
+        mc = MPIComm(_SplitAsIfOnOtherHosts(dup))
+        _shm.configure(mc, {"MPICOMM_SHM_THRESHOLD": "1"})
+        x = data(mpicomm.get_rank(), "hosts", (1000,), np.int32)
+        y = mc.all_reduce(x, ReduceOp.SUM, None, False)
+        assert mc.shm is None and mc.shm_min_all_reduce == _shm.NEVER
+        assert_close(y, reduce_np([data(r, "hosts", (1000,), np.int32) for r in range(world.Get_size())],
+                                  ReduceOp.SUM))
+        # the real communicator, all on this host: available
+        g = _shm.ShmGroup.open(dup)
+        assert g is not None and g.size == world.Get_size() and g.rank == world.Get_rank()
+        g.close()
+    finally:
+        dup.Free()
+
+
+# --------------------------------------------------------------------------- settings
+
+def test_threshold_settings():
+    t = _shm.thresholds
+    assert t(4, {}) == _shm.DEFAULT_THRESHOLD
+    two = t(2, {})
+    assert two["all_gather"] == two["broadcast"] == _shm.NEVER
+    assert two["all_reduce"] == _shm.DEFAULT_THRESHOLD["all_reduce"]
+    assert set(t(2, {"MPICOMM_SHM_THRESHOLD": "1M"}).values()) == {1 << 20}
+    assert set(t(1, {}).values()) == {_shm.NEVER}
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "off"}).values()) == {_shm.NEVER}
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "2M"}).values()) == {2 << 20}
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "300000"}).values()) == {300000}
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "0"}).values()) == {1}
+    for bad in ("-5", "lots", "1.5M"):
+        with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_THRESHOLD"):
+            t(2, {"MPICOMM_SHM_THRESHOLD": bad})
+    assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "8M"}) == 8 << 20
+    with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
+        _shm._piece_bytes({"MPICOMM_SHM_PIECE": "x"})
