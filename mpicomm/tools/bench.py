@@ -933,6 +933,13 @@ def main(argv=None):
         print("#", flush=True)
     status = 0
     if args.coll == "buckets":
+        try:  # the same files on every rank of a job: every rank fails alike, none hangs
+            find_shapes_file(args.shapes)
+        except FileNotFoundError as e:
+            if b.rank == 0:
+                print(f"mpicomm-bench: {e}", file=sys.stderr)
+            b.close()
+            return 2
         rows = run_buckets(b, progress)
     else:
         if b.rank == 0:
