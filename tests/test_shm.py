@@ -412,9 +412,8 @@ def test_group_across_hosts_is_unavailable(comm):
 def test_threshold_settings():
     t = _shm.thresholds
     assert t(4, {}) == _shm.DEFAULT_THRESHOLD
-    two = t(2, {})
-    assert two["all_gather"] == two["broadcast"] == _shm.NEVER
-    assert two["all_reduce"] == _shm.DEFAULT_THRESHOLD["all_reduce"]
+    assert t(2, {})["all_gather"] == t(2, {})["broadcast"] == _shm.NEVER
+    assert t(2, {})["all_reduce"] == t(2, {})["reduce_scatter"] == 256 << 10
     assert set(t(2, {"MPICOMM_SHM_THRESHOLD": "1M"}).values()) == {1 << 20}
     assert set(t(1, {}).values()) == {_shm.NEVER}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "off"}).values()) == {_shm.NEVER}

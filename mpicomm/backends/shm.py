@@ -53,12 +53,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # Smallest message (bytes: the input of all_reduce / reduce_scatter / broadcast, the
 # *output* of all_gather) that takes the shared-memory path, measured on the 2-core
 # machine at 2 and 4 ranks (docs/BENCHMARKS.md, "CPU shared-memory path"): below
-# 128-256 KiB the two barriers cost more than Open MPI's eager copies.
-DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": 256 << 10,
-                     "reduce_scatter": 256 << 10, "broadcast": 256 << 10}
-# Between two processes Open MPI moves all_gather and broadcast with a single copy
-# each, which two copies through shared memory cannot beat (measured 3-4x slower).
-_NOT_AT_TWO = ("all_gather", "broadcast")
+# 128-256 KiB the barriers cost more than Open MPI's eager copies. all_gather and
+# broadcast are off by default: Open MPI moves them with one copy per byte, the shared
+# window needs two, and it measured slower (2 ranks: 3-4x; 4 ranks: 0.4-1.6x, noisy);
+# MPICOMM_SHM_THRESHOLD turns them on.
+DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
+                     "reduce_scatter": 256 << 10, "broadcast": NEVER}
 DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
@@ -95,10 +95,7 @@ def thresholds(size, env=os.environ):
     if size < 2 or v.lower() in _OFF:
         return dict.fromkeys(COLLECTIVES, NEVER)
     if v == "":
-        t = dict(DEFAULT_THRESHOLD)
-        if size == 2:
-            t.update(dict.fromkeys(_NOT_AT_TWO, NEVER))
-        return t
+        return dict(DEFAULT_THRESHOLD)
     return dict.fromkeys(COLLECTIVES, max(1, _bytes("MPICOMM_SHM_THRESHOLD", v)))
 
 
@@ -279,7 +276,12 @@ class ShmGroup:
                     of[lo[j]:lo[j + 1]] = bufs[j][j * qb:j * qb + (lo[j + 1] - lo[j]) * isz].view(dt)
 
     def _reduce(self, ops, dst, op, ufunc, upcast, m):
-        """dst = ops[0] op ops[1] op ... (left to right); AVG divides by n."""
+        """dst = ops[0] op ops[1] op ... (left to right); AVG divides by n. Overflow to
+        inf is silent, as on the ordinary path (MPI does not warn)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._reduce_into(ops, dst, op, ufunc, upcast, m)
+
+    def _reduce_into(self, ops, dst, op, ufunc, upcast, m):
         n = len(ops)
         if upcast:
             if self._acc.size < m:
