@@ -138,11 +138,9 @@ def rank_data(group, key, shape, dt, op=ReduceOp.SUM):
 SHAPES = [(7,), (1000,), (3001,), (33, 65)]   # below and above THRESHOLD; uneven; many pieces
 
 
-@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", OPS, ids=str)
+@pytest.mark.parametrize("dt,op", [(d, o) for o in OPS for d in DTYPES if allowed(o, d)],
+                         ids=lambda v: np.dtype(v).name if not isinstance(v, ReduceOp) else str(v))
 def test_all_reduce_matches_numpy(groups, dt, op):
-    if not allowed(op, dt):
-        pytest.skip(f"{op} is not defined for {np.dtype(dt).name}")
     for group in groups:
         small_pieces(group)
         for shape in SHAPES:
@@ -278,8 +276,9 @@ def test_scalar_all_gather(groups):
 # --------------------------------------------------------------------------- async, mixing
 
 def test_async_and_interleaved(groups):
-    """Several async shared-memory collectives in flight, mixed with ordinary (small)
-    collectives and blocking ones: every result right; waits in any order."""
+    """Async collectives take MPI's non-blocking path (MPI progresses them inside any other
+    MPI call, so waits in any order cannot deadlock); mixed with small collectives and
+    blocking shared-memory ones, every result is right."""
     for group in groups:
         m = small_pieces(group)
         n = m.size
@@ -303,7 +302,8 @@ def test_async_and_interleaved(groups):
         assert w1.is_completed() and w3.is_completed()
         assert_close(small, reduce_np(arrs_s, ReduceOp.SUM))
         assert_close(blocking, reduce_np(arrs_c, ReduceOp.MIN))
-        expect_path(group, "all_reduce", before + 1)
+        if impl(group).size > 1:  # only the blocking all_reduce took the path
+            assert calls(group, "all_reduce") == before + (impl(group).shm is not None)
 
 
 def test_async_polling_completes(groups):

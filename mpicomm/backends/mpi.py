@@ -109,8 +109,8 @@ class MPIComm:
             o, wb = out, None  # the usual out=: host_out's checks in one expression (-175 ns a call)
         else:
             o, wb = host_out(out, x.shape, x.dtype)
-        if x.nbytes >= self.shm_min_all_reduce:
-            r = _shm.all_reduce(self, x, o, info, op, _post(o, wb, back), async_op)
+        if not async_op and x.nbytes >= self.shm_min_all_reduce:
+            r = _shm.all_reduce(self, x, o, info, op, _post(o, wb, back))
             if r is not None:
                 return r
         if x.size > _MAX_COUNT:
@@ -149,8 +149,8 @@ class MPIComm:
         n = self.size
         shape = (n * x.shape[0],) + x.shape[1:] if x.ndim else (n,)
         o, wb = self._out(x, out, shape)
-        if o.nbytes >= self.shm_min_all_gather:
-            r = _shm.all_gather(self, x, o, _post(o, wb, back), async_op)
+        if not async_op and o.nbytes >= self.shm_min_all_gather:
+            r = _shm.all_gather(self, x, o, _post(o, wb, back))
             if r is not None:
                 return r
         if o.size > _MAX_COUNT:
@@ -170,8 +170,8 @@ class MPIComm:
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
         shape = (x.shape[0] // n,) + x.shape[1:]
         o, wb = self._out(x, out, shape)
-        if x.nbytes >= self.shm_min_reduce_scatter:
-            r = _shm.reduce_scatter(self, x, o, info, op, _post(o, wb, back), async_op)
+        if not async_op and x.nbytes >= self.shm_min_reduce_scatter:
+            r = _shm.reduce_scatter(self, x, o, info, op, _post(o, wb, back))
             if r is not None:
                 return r
         if x.size > _MAX_COUNT:
@@ -211,8 +211,8 @@ class MPIComm:
                 h[...] = to_host(x)[0]
         info = _TABLE.get(h.dtype) or dtype_info(h.dtype)
         post = (lambda: wb(h)) if wb is not None else None
-        if h.nbytes >= self.shm_min_broadcast:
-            r = _shm.broadcast(self, h, root, x, post, async_op)
+        if not async_op and h.nbytes >= self.shm_min_broadcast:
+            r = _shm.broadcast(self, h, root, x, post)
             if r is not None:
                 return r
         if h.size > _MAX_COUNT:

@@ -45,7 +45,6 @@ from mpi4py import MPI
 
 from ..errors import invalid
 from ..ops import ReduceOp
-from .base import Work
 
 NEVER = sys.maxsize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -137,7 +136,6 @@ class ShmGroup:
         self.seg = 0                      # bytes of one buffer of one rank's segment
         self.bufs = None                  # bufs[b][j]: buffer b of rank j's segment (uint8)
         self.k = 0                        # pieces done so far; piece k uses buffer k & 1
-        self.pending = None               # an async collective not yet completed
         self.calls = dict.fromkeys(COLLECTIVES, 0)   # collectives that took this path
         self.grows = 0                    # window (re)allocations
         self._acc = np.empty(0, _F32)     # float32 accumulator for float16 / bfloat16
@@ -199,29 +197,15 @@ class ShmGroup:
             self.win, self.seg = None, 0
 
     def close(self):
-        self.finish_pending()
         self._free_win()
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
 
     # ----------------------------------------------------------- driving
-    def finish_pending(self):
-        w = self.pending
-        if w is not None:
-            self.pending = None
-            w.wait(timeout=float("inf"))
-
-    def run(self, name, gen, result, post, async_op, what):
-        """Run collective generator ``gen`` (it yields at every barrier). The caller has
-        completed any pending one first: barriers are matched by order, so the pieces of
-        two collectives must never interleave."""
+    def run(self, name, gen, result, post, what):
+        """Run collective generator ``gen`` to the end (it yields at every barrier), blocking."""
         self.calls[name] += 1
-        if async_op:
-            w = ShmWork(self, gen, result, post, what)
-            self.pending = w
-            w._poll()
-            return w
         win, bar = self.win, self.comm.Barrier
         for _ in gen:
             win.Sync()
@@ -235,7 +219,6 @@ class ShmGroup:
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
-        self.finish_pending()
         n, r, isz = self.size, self.rank, x.itemsize
         a = _ALIGN // isz if isz <= _ALIGN else 1
         pe = max(n * a, (self.piece // isz) // (n * a) * (n * a))   # elements of a piece
@@ -301,7 +284,6 @@ class ShmGroup:
             np.divide(dst, n, out=dst)
 
     def reduce_scatter(self, x, o, info, op):
-        self.finish_pending()
         n, isz = self.size, x.itemsize
         a = _ALIGN // isz if isz <= _ALIGN else 1
         cc = x.size // n
@@ -334,7 +316,6 @@ class ShmGroup:
             self._reduce(ops, of[start:stop], op, ufunc, info.upcast, m)
 
     def all_gather(self, x, o):
-        self.finish_pending()
         need = min(x.nbytes, self.piece)
         if not self._grow(need):
             return None
@@ -357,7 +338,6 @@ class ShmGroup:
                     ob[j * mb + start:j * mb + stop] = bufs[j][:stop - start]
 
     def broadcast(self, h, root):
-        self.finish_pending()
         need = min(h.nbytes, self.piece)
         if not self._grow(need):
             return None
@@ -379,48 +359,9 @@ class ShmGroup:
                 hb[start:stop] = src[:stop - start]
 
 
-class ShmWork(Work):
-    """An asynchronous shared-memory collective: advanced piece by piece from
-    ``is_completed()`` / ``wait()`` (and completed before the group's next
-    shared-memory collective starts), with a non-blocking barrier between steps."""
-
-    __slots__ = ("_g", "_gen", "_req", "_post")
-
-    def __init__(self, g, gen, result, post, what):
-        super().__init__(result, what)
-        self._g = g
-        self._gen = gen
-        self._req = None
-        self._post = post
-
-    def _poll(self):
-        g = self._g
-        if self._gen is None:
-            return True
-        if self._req is not None:
-            if not self._req.Test():
-                return False
-            g.win.Sync()
-        try:
-            next(self._gen)          # the step up to the next barrier
-        except StopIteration:
-            self._gen = self._req = None
-            if g.pending is self:
-                g.pending = None
-            return True
-        g.win.Sync()
-        self._req = g.comm.Ibarrier()
-        return False
-
-    def _finish(self):
-        if self._post is not None:
-            r = self._post()
-            if r is not None:
-                self._result = r
-
-
 # --------------------------------------------------------------- MPIComm entry points
-# Each returns the collective's result (or Work), or None when the ordinary path must
+# Each returns the collective's result (blocking calls only: async_op=True takes MPI's
+# non-blocking collectives, which MPI progresses inside any other MPI call), or None when the ordinary path must
 # run instead: the group spans hosts or the window cannot be allocated. Both are found
 # collectively, alike on every rank, and remembered (the thresholds become NEVER).
 
@@ -435,40 +376,40 @@ def _group(mc):
     return g
 
 
-def _go(mc, g, name, gen, result, post, async_op, what):
+def _go(mc, g, name, gen, result, post, what):
     if gen is None:              # the window could not grow (on every rank alike)
         disable(mc)
         return None
-    return g.run(name, gen, result, post, async_op, what)
+    return g.run(name, gen, result, post, what)
 
 
-def all_reduce(mc, x, o, info, op, post, async_op):
+def all_reduce(mc, x, o, info, op, post):
     g = _group(mc)
     if g is None:
         return None
-    return _go(mc, g, "all_reduce", g.all_reduce(x, o, info, op), o, post, async_op,
+    return _go(mc, g, "all_reduce", g.all_reduce(x, o, info, op), o, post,
                ("all_reduce", x.shape, x.dtype))
 
 
-def reduce_scatter(mc, x, o, info, op, post, async_op):
+def reduce_scatter(mc, x, o, info, op, post):
     g = _group(mc)
     if g is None:
         return None
-    return _go(mc, g, "reduce_scatter", g.reduce_scatter(x, o, info, op), o, post, async_op,
+    return _go(mc, g, "reduce_scatter", g.reduce_scatter(x, o, info, op), o, post,
                ("reduce_scatter", x.shape, x.dtype))
 
 
-def all_gather(mc, x, o, post, async_op):
+def all_gather(mc, x, o, post):
     g = _group(mc)
     if g is None:
         return None
-    return _go(mc, g, "all_gather", g.all_gather(x, o), o, post, async_op,
+    return _go(mc, g, "all_gather", g.all_gather(x, o), o, post,
                ("all_gather", x.shape, x.dtype))
 
 
-def broadcast(mc, h, root, result, post, async_op):
+def broadcast(mc, h, root, result, post):
     g = _group(mc)
     if g is None:
         return None
-    return _go(mc, g, "broadcast", g.broadcast(h, root), result, post, async_op,
+    return _go(mc, g, "broadcast", g.broadcast(h, root), result, post,
                ("broadcast", h.shape, h.dtype))
