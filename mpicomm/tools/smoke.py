@@ -349,16 +349,17 @@ class Runner:
         x = self.dev(make_data(None, dt, grank, c.count))
         buf = self.dev(np.empty(c.count, dt))
         mc = self.mc
-        if c.mode == "async":
-            ws = mc.send(x, dst, group=g, async_op=True), mc.recv(buf, src, group=g, async_op=True)
+        a = c.mode == "async"
+        # even ranks send first, odd ranks receive first, in both modes: on NCCL the calls
+        # are queued on one stream in this order, and a ring where every rank sends first
+        # would wait forever once a message no longer fits NCCL's buffers
+        if grank % 2 == 0:
+            ws = [mc.send(x, dst, group=g, async_op=a), mc.recv(buf, src, group=g, async_op=a)]
+        else:
+            ws = [mc.recv(buf, src, group=g, async_op=a), mc.send(x, dst, group=g, async_op=a)]
+        if a:
             for w in ws:
                 w.wait()
-        elif grank % 2 == 0:
-            mc.send(x, dst, group=g)
-            mc.recv(buf, src, group=g)
-        else:
-            mc.recv(buf, src, group=g)
-            mc.send(x, dst, group=g)
         if self.sync is not None:
             self.sync()
         return self.host(buf), make_data(None, dt, src, c.count)
