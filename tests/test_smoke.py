@@ -140,3 +140,13 @@ def test_a_broken_collective_fails_the_smoke_and_is_named(n):
     assert "FAIL" in table["all_gather"]
     assert all(table[c].rstrip().endswith("PASS") for c in smoke.COLLECTIVES if c != "all_gather")
     assert "FAIL: " in out and "in all_gather;" in out
+
+
+def test_count_wrong_spans_chunks(monkeypatch):
+    monkeypatch.setattr(smoke, "_CHUNK", 100)
+    dt = np.dtype(np.float16)
+    exp = smoke.reduce_keys("avg", dt, range(3), 1000)
+    got = exp.copy()
+    got[[150, 151, 999]] += 3
+    assert smoke.count_wrong(got, exp, dt) == (3, 150)
+    assert smoke.compare(got, exp, dt).startswith("3 of 1000 element(s) wrong, first at [150]")

@@ -150,6 +150,32 @@ def tolerance(dt):
     return 1e-12
 
 
+_CHUNK = 1 << 22  # elements compared at a time: bounded temporaries for GiB-sized results
+
+
+def wrong_mask(got, exp, dt):
+    """Boolean array: where ``got`` differs from ``exp`` (exactly for integers, else
+    beyond :func:`tolerance`). Same shapes assumed."""
+    if dt.kind in "iu":
+        return got != exp
+    wide = np.complex128 if dt.kind == "c" else np.float64
+    g, e = got.astype(wide), exp.astype(wide)
+    return ~(np.abs(g - e) <= tolerance(dt) * (1 + np.abs(e)))
+
+
+def count_wrong(got, exp, dt):
+    """(number of wrong elements, flat index of the first or None), in chunks."""
+    g, e = np.asarray(got).reshape(-1), np.asarray(exp).reshape(-1)
+    nbad, first = 0, None
+    for i in range(0, e.size, _CHUNK):
+        bad = wrong_mask(g[i:i + _CHUNK], e[i:i + _CHUNK], dt)
+        k = int(np.count_nonzero(bad))
+        if k and first is None:
+            first = i + int(np.flatnonzero(bad)[0])
+        nbad += k
+    return nbad, first
+
+
 def compare(got, exp, dt):
     """None if ``got`` matches ``exp``, else a short description of the first mismatch."""
     if got is None:
@@ -161,17 +187,9 @@ def compare(got, exp, dt):
         return f"dtype {got.dtype}, expected {exp.dtype}"
     if exp.size == 0:
         return None
-    if dt.kind in "iu":
-        bad = got != exp
-    else:
-        wide = np.complex128 if dt.kind == "c" else np.float64
-        g, e = got.astype(wide), exp.astype(wide)
-        tol = tolerance(dt)
-        bad = ~(np.abs(g - e) <= tol * (1 + np.abs(e)))
-    if not bad.any():
+    nbad, i = count_wrong(got, exp, dt)
+    if not nbad:
         return None
-    nbad = int(np.count_nonzero(bad))
-    i = int(np.flatnonzero(bad.ravel())[0])
     return (f"{nbad} of {exp.size} element(s) wrong, first at [{i}]: got {got.ravel()[i]!r}, "
             f"expected {exp.ravel()[i]!r}")
 
