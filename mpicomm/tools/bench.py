@@ -219,11 +219,15 @@ def summary_lines(rows, compare):
 
 
 def find_shapes_file(explicit=None):
-    """The ResNet-50 gradient shapes file: ``explicit``, $MPICOMM_SHARED_DATA, then
-    ../shared/data relative to the repository root (and to the working directory)."""
+    """The ResNet-50 gradient shapes file: ``explicit``, $MPICOMM_GRAD_SHAPES (the file),
+    $MPICOMM_SHARED_DATA (its folder), then ../shared/data relative to the repository
+    root (and to the working directory)."""
     if explicit:
         return explicit
     cands = []
+    f = os.environ.get("MPICOMM_GRAD_SHAPES")  # the file itself, as scripts/bench_buckets.py takes it
+    if f:
+        cands.append(f)
     env = os.environ.get("MPICOMM_SHARED_DATA")
     if env:
         cands.append(os.path.join(env, SHAPES_FILE))
