@@ -119,7 +119,7 @@ class Hooks:
         self.x = None                    # the input of the collective in progress (diagnosis only)
         self._rows = {}                  # Group -> base index of its row in the window
         self._names = {}                 # group hash -> name (every rank knows every group's name)
-        self._gpu = {}                   # row base -> (seq, name, stream, desc, group) of the last NCCL call
+        self._gpu = {}                   # row base -> (seq, name, stream, (shape, dtype), group) of the last NCCL call
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
         self._win = None
@@ -252,7 +252,8 @@ class Hooks:
         if s is None:  # a host array: the MPI path, watched like any other
             return
         impl.last_stream = None
-        self._gpu[b] = (seq, _NAMES[code], s, _desc(x), g)
+        # shape and dtype only (formatting them is left to a timeout: this is the hot path)
+        self._gpu[b] = (seq, _NAMES[code], s, (getattr(x, "shape", None), getattr(x, "dtype", None)), g)
 
     # ------------------------------------------------------------ watchdog
     def start(self):
@@ -332,7 +333,10 @@ class Hooks:
                     self._gpu.pop(b, None)
                     events.pop(b, None)
             elif now - t0 >= self.timeout:
-                self._fire(ent[4], seq, ent[1], ent[3], now - t0, gpu=True)
+                shape, dtype = ent[3]
+                desc = f"shape {tuple(shape)}, dtype {str(dtype).replace('torch.', '')}" \
+                    if shape is not None else "no array"
+                self._fire(ent[4], seq, ent[1], desc, now - t0, gpu=True)
                 return
 
     def _fire(self, g, seq, name, desc, waited, gpu=False):

@@ -20,9 +20,15 @@ fi
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 MPIRUN=${MPIRUN:-mpirun}
 LOG=$OUT/gpu_log.txt
+export MPICOMM_GRAD_SHAPES=${MPICOMM_GRAD_SHAPES:-}
+RES=$OUT/res   # JSON and extra plots, packed into results.tgz at the end (few files come back)
+mkdir -p "$RES"
+if [ -z "${MPICOMM_GRAD_SHAPES:-}" ] && [ -f .shared/resnet50_grad_shapes.txt ]; then
+    export MPICOMM_GRAD_SHAPES=$PWD/.shared/resnet50_grad_shapes.txt  # ../shared does not travel
+fi
 SUM=$OUT/gpu_summary.txt
 MPI=("$MPIRUN" --allow-run-as-root --oversubscribe -x PYTHONPATH -x NCCL_NVLS_ENABLE
-     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED -n)
+     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED -x MPICOMM_GRAD_SHAPES -n)
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
@@ -59,7 +65,7 @@ if want faults && [ -f tests/test_faults.py ]; then
     step "faults-nccl" 400 "$PY" -m pytest -q -rs -p no:cacheprovider --color=no tests/test_faults.py -k nccl-gpu
 fi
 if want smoke && "$PY" -c "import mpicomm.tools.smoke" 2>/dev/null; then
-    step "smoke-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.smoke
+    step "smoke-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.smoke --backend nccl
 fi
 if want doctor && [ -f mpicomm/tools/doctor.py ]; then
     step "doctor" 120 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.doctor
@@ -69,12 +75,16 @@ if want train && [ -f scripts/train_data_parallel.py ]; then
     step "train-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/train_data_parallel.py --min-accuracy 0.9
 fi
 if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
+    B=("$PY" -m mpicomm.tools.bench --backend nccl --compare)
     for c in all_reduce all_gather reduce_scatter broadcast; do
-        step "bench-$c" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.bench --coll "$c" -b 8 -e 1G -f 2 --compare \
-            --json "$OUT/bench_$c.json"
+        step "bench-$c" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll "$c" -b 8 -e 1G -f 2 -n 0 --target-time 0.25 \
+            -w 5 --rounds 4 --json "$RES/bench_$c.json" --plot "$OUT/bench_$c.png"
     done
-    step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.bench --coll buckets --compare
+    step "bench-8B-median" 200 "${MPI[@]}" "$NGPU" "${B[@]}" -b 8 -e 8 -n 20000 -w 1000 --rounds 10 --stat median
+    step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
+        --json "$RES/bench_buckets.json" --plot "$RES/bench_buckets.png"
     step "bench-buckets-script" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_buckets.py --iters 50 --warmup 5 \
         --rounds 5 --modes per-tensor buckets buckets:4 one-buffer
 fi
+(cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ..arrays import BFLOAT16, dtype_info, is_gpu_array
+from ..arrays import _TABLE, BFLOAT16, dtype_info, is_gpu_array
 from ..errors import BackendUnavailableError, invalid
 from ..ops import ReduceOp, check_op_dtype
 from .base import Backend, Work
@@ -117,6 +117,7 @@ class NCCLComm:
     def __init__(self, mpi_comm, device_id):
         cupy, nccl = _import()
         self.cupy = cupy
+        self._ndarray = cupy.ndarray
         self.nccl = nccl
         self.host = MPIComm(mpi_comm)
         self.rank = mpi_comm.Get_rank()
@@ -147,6 +148,8 @@ class NCCLComm:
         """(cupy array or torch tensor, info, kind) for a GPU array; contiguous."""
         cupy = self.cupy
         if type(x) is cupy.ndarray:
+            if x.data.device_id == self.device_id and x.flags.c_contiguous:  # the hot path
+                return x, _TABLE.get(x.dtype) or dtype_info(x.dtype, arg), "cupy"
             a = x
             kind = "cupy"
         elif type(x).__module__.startswith("torch"):
@@ -242,7 +245,7 @@ class NCCLComm:
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, op, out, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_reduce(x, op, out, async_op, stream)
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
@@ -252,7 +255,7 @@ class NCCLComm:
         return self._done(o, async_op, s, ("all_reduce", tuple(a.shape), a.dtype))
 
     def all_gather(self, x, out, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_gather(x, out, async_op, stream)
         a, info, kind = self._dev(x)
         shape = (self.size * a.shape[0],) + tuple(a.shape[1:]) if a.ndim else (self.size,)
@@ -262,7 +265,7 @@ class NCCLComm:
         return self._done(o, async_op, s, ("all_gather", tuple(a.shape), a.dtype))
 
     def reduce_scatter(self, x, op, out, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.reduce_scatter(x, op, out, async_op, stream)
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
@@ -278,7 +281,7 @@ class NCCLComm:
         return self._done(o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype))
 
     def broadcast(self, x, root, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.broadcast(x, root, async_op, stream)
         root = self.host._root(root)
         a, info, kind = self._dev(x)
@@ -291,7 +294,7 @@ class NCCLComm:
         return self._done(x, async_op, s, ("broadcast", tuple(a.shape), a.dtype))
 
     def reduce(self, x, op, root, out, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.reduce(x, op, root, out, async_op, stream)
         root = self.host._root(root)
         a, info, kind = self._dev(x)
@@ -303,7 +306,7 @@ class NCCLComm:
         return self._done(o if self.rank == root else None, async_op, s, ("reduce", tuple(a.shape), a.dtype))
 
     def all_to_all(self, x, out, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_to_all(x, out, async_op, stream)
         a, info, kind = self._dev(x)
         n = self.size
@@ -329,7 +332,7 @@ class NCCLComm:
         return self._done(o, async_op, s, ("all_to_all", tuple(a.shape), a.dtype))
 
     def send(self, x, dst, tag, async_op, stream=None):
-        if not is_gpu_array(x):
+        if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.send(x, dst, tag, async_op, stream)
         dst = self.host._peer(dst, "dst")
         a, info, kind = self._dev(x)
