@@ -50,13 +50,22 @@ def rank_rng(rank, name):
     return np.random.default_rng([rank, zlib.crc32(name.encode())])
 
 
-def clean_mpi_env(extra=None):
-    """Environment for a child mpirun started from inside a test (no inherited MPI job)."""
+_JOB_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID")
+_CONFIG_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_")  # settings of the machine (e.g. plm=isolated): kept
+
+
+def clean_mpi_env(extra=None, drop=(), drop_prefixes=()):
+    """Environment for a child mpirun started from inside a test: no inherited MPI job
+    (but the machine's MCA settings), the repo on PYTHONPATH, NCCL_NVLS_ENABLE=0 kept."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID"))}
+           if not (k.startswith(_JOB_PREFIXES) and not k.startswith(_CONFIG_PREFIXES))
+           and not (drop_prefixes and k.startswith(drop_prefixes)) and k not in drop}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env["NCCL_NVLS_ENABLE"] = "0"
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     if os.geteuid() == 0:
         env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
         env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"

@@ -23,19 +23,11 @@ spawns_mpirun = pytest.mark.skipif(world_size_from_env() > 1,
 
 
 def clean_mpi_env(extra=None, drop=()):
-    """Environment for a child mpirun: no inherited MPI job, the repo on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_",
-                                "MPI_LOCALRANKID", "MPICOMM_", "NCCL_"))
-           and k not in drop}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    bindir = os.path.dirname(sys.executable)
-    if bindir not in env.get("PATH", "").split(os.pathsep):
-        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    if extra:
-        env.update(extra)
-    return env
+    """conftest's clean environment, less MPICOMM_* and NCCL_* (except NCCL_NVLS_ENABLE),
+    so that forwarding tests see only what they set."""
+    from conftest import clean_mpi_env as base
+
+    return base(extra, drop=drop, drop_prefixes=("MPICOMM_", "NCCL_"))
 
 
 def have_mpirun():

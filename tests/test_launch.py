@@ -260,7 +260,7 @@ def test_dry_run_prints_exact_command_and_runs_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     mpirun = mr.find_mpirun()
     expected = [mpirun, "-n", "2"] + (["--allow-run-as-root"] if IS_ROOT else []) + \
-        ["--host", "localhost:2", "-x", "MPICOMM_TEST_A", "-x", "NCCL_DEBUG", "-x", "PATH",
+        ["--host", "localhost:2", "-x", "MPICOMM_TEST_A", "-x", "NCCL_DEBUG", "-x", "NCCL_NVLS_ENABLE", "-x", "PATH",
          "-x", "PYTHONPATH", "-x", "FOO=a b",
          sys.executable, "-m", "mpi4py", str(script), "x", "-n"]
     assert shlex.split(proc.stdout) == expected

@@ -82,7 +82,9 @@ def same_on_every_rank(group, a):
 
 
 def impl(group=None):
-    return mpicomm.comm.get_group(group).impl
+    """The group's MPI communicator object (under NCCL, the one host arrays take)."""
+    i = mpicomm.comm.get_group(group).impl
+    return getattr(i, "host", i)
 
 
 def calls(group, name):
