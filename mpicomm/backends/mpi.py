@@ -52,6 +52,7 @@ class MPIComm:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._opcache = {}
+        self._hot = {}  # (dtype, op) -> (MPI datatype, MPI op): pairs all_reduce has validated
         self.shm = None  # optional single-host shared-memory fast path (mpicomm.backends.shm)
         _shm.configure(self)  # self.shm_min_<collective>: bytes from which it is tried
 
@@ -94,6 +95,26 @@ class MPIComm:
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, op, out, async_op, stream=None):
+        # The hot path: a NumPy array whose (dtype, op) an earlier call validated, needing
+        # no conversion, no post-processing and neither the shared-memory nor the
+        # large-count path. It repeats none of the checks below.
+        if type(x) is np.ndarray and not async_op:
+            f = self._hot.get((x.dtype, op))
+            if f is not None and x.nbytes < self.shm_min_all_reduce and x.size <= _MAX_COUNT \
+                    and x.flags.c_contiguous:
+                if out is None:
+                    o = np.empty(x.shape, x.dtype)
+                elif out is x:
+                    self.comm.Allreduce(MPI.IN_PLACE, [x, f[0]], f[1])
+                    return x
+                elif type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype \
+                        and out.flags.carray:
+                    o = out
+                else:
+                    o = None
+                if o is not None:
+                    self.comm.Allreduce([x, f[0]], [o, f[0]], f[1])
+                    return o
         if type(x) is np.ndarray and x.flags.c_contiguous:
             back = None
         else:
@@ -129,6 +150,8 @@ class MPIComm:
             dt = info.mpi
             sb = MPI.IN_PLACE if o is x else [x, dt]
             rb = [o, dt]
+            if op is not ReduceOp.AVG:
+                self._hot[(info.dtype, op)] = (dt, mop)
             if op is ReduceOp.AVG or wb is not None or back is not None:
                 def post():
                     if op is ReduceOp.AVG:

@@ -118,6 +118,11 @@ class NCCLComm:
         cupy, nccl = _import()
         self.cupy = cupy
         self._ndarray = cupy.ndarray
+        self._empty_cp = cupy.empty
+        self._cur = cupy.cuda.get_current_stream
+        self._fastops = {}  # (dtype, op or None) -> (ncclDataType, ncclRedOp, count scale), once validated
+        # CuPy's readonly flag attribute; without it, the general path validates every call
+        self._hot = hasattr(cupy.empty(0), "_c_contiguous")
         self.nccl = nccl
         self.host = MPIComm(mpi_comm)
         self.rank = mpi_comm.Get_rank()
@@ -222,7 +227,26 @@ class NCCLComm:
         if c is None:
             check_op_dtype(op, info.name, info.floating, info.complex)
             c = self._opcache[key] = _NCCL_OPS[op]
+            self._fastops[(info.dtype, op)] = (info.nccl, c, info.nccl_scale)
         return c
+
+    # The hot path: a contiguous CuPy array on this GPU whose (dtype, op) was validated by
+    # an earlier call, no stream= and no async: no validation work is repeated.
+    def _fast(self, x, op, stream, async_op):
+        if type(x) is self._ndarray and self._hot and stream is None and not async_op \
+                and x._c_contiguous and x.data.device_id == self.device_id:
+            return self._fastops.get((x.dtype, op))
+        return None
+
+    def _fast_out(self, x, out, shape):
+        if out is None:
+            return self._empty_cp(shape, x.dtype)
+        if out is x:
+            return x
+        if type(out) is self._ndarray and out._c_contiguous and out.dtype == x.dtype \
+                and out.shape == shape and out.data.device_id == self.device_id:
+            return out
+        return None
 
     def _count(self, a, info):
         return (a.size if hasattr(a, "size") and not callable(a.size) else a.numel()) * info.nccl_scale
@@ -230,6 +254,7 @@ class NCCLComm:
     def _done(self, result, async_op, s, what, post=None):
         self.last_stream = s
         if async_op:
+            what = what if what[1] is not None else (what[0], tuple(result.shape), result.dtype)
             ev = self.cupy.cuda.Event(block=False, disable_timing=True)
             self.cupy.cuda.runtime.eventRecord(ev.ptr, s)
             return NCCLWork(ev, result, post, what)
@@ -247,26 +272,51 @@ class NCCLComm:
     def all_reduce(self, x, op, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_reduce(x, op, out, async_op, stream)
+        f = self._fast(x, op, stream, async_op)
+        if f is not None:
+            o = self._fast_out(x, out, x.shape)
+            if o is not None:
+                s = self._cur().ptr
+                self.comm.allReduce(x.data.ptr, o.data.ptr, x.size * f[2], f[0], f[1], s)
+                self.last_stream = s
+                return o
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
         o = self._out(a, kind, out, a.shape)
         s = self._stream(stream, kind)
         self.comm.allReduce(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, nop, s)
-        return self._done(o, async_op, s, ("all_reduce", tuple(a.shape), a.dtype))
+        return self._done(o, async_op, s, ("all_reduce", None))
 
     def all_gather(self, x, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_gather(x, out, async_op, stream)
+        f = self._fast(x, None, stream, async_op)
+        if f is not None and x.ndim:
+            o = self._fast_out(x, out, (self.size * x.shape[0],) + x.shape[1:])
+            if o is not None:
+                s = self._cur().ptr
+                self.comm.allGather(x.data.ptr, o.data.ptr, x.size * f[2], f[0], s)
+                self.last_stream = s
+                return o
         a, info, kind = self._dev(x)
+        self._fastops.setdefault((info.dtype, None), (info.nccl, None, info.nccl_scale))
         shape = (self.size * a.shape[0],) + tuple(a.shape[1:]) if a.ndim else (self.size,)
         o = self._out(a, kind, out, shape)
         s = self._stream(stream, kind)
         self.comm.allGather(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, s)
-        return self._done(o, async_op, s, ("all_gather", tuple(a.shape), a.dtype))
+        return self._done(o, async_op, s, ("all_gather", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce_scatter(self, x, op, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.reduce_scatter(x, op, out, async_op, stream)
+        f = self._fast(x, op, stream, async_op)
+        if f is not None and x.ndim and x.shape[0] % self.size == 0:
+            o = self._fast_out(x, out, (x.shape[0] // self.size,) + x.shape[1:])
+            if o is not None and o is not x:
+                s = self._cur().ptr
+                self.comm.reduceScatter(x.data.ptr, o.data.ptr, o.size * f[2], f[0], f[1], s)
+                self.last_stream = s
+                return o
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
         n = self.size
@@ -278,20 +328,28 @@ class NCCLComm:
         s = self._stream(stream, kind)
         self.comm.reduceScatter(self._ptr(a, kind), self._ptr(o, kind), self._count(o, info),
                                 info.nccl, nop, s)
-        return self._done(o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype))
+        return self._done(o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype) if async_op else None)
 
     def broadcast(self, x, root, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.broadcast(x, root, async_op, stream)
+        f = self._fast(x, None, stream, async_op)
+        if f is not None and type(root) is int and 0 <= root < self.size:
+            s = self._cur().ptr
+            p = x.data.ptr
+            self.comm.broadcast(p, p, x.size * f[2], f[0], root, s)
+            self.last_stream = s
+            return x
         root = self.host._root(root)
         a, info, kind = self._dev(x)
+        self._fastops.setdefault((info.dtype, None), (info.nccl, None, info.nccl_scale))
         if a is not x and kind == "cupy" and type(x) is self.cupy.ndarray:
             raise invalid("x", f"non-contiguous array (shape {x.shape}, strides {x.strides})",
                           "a C-contiguous array (broadcast fills x in place)")
         s = self._stream(stream, kind)
         p = self._ptr(a, kind)
         self.comm.broadcast(p, p, self._count(a, info), info.nccl, root, s)
-        return self._done(x, async_op, s, ("broadcast", tuple(a.shape), a.dtype))
+        return self._done(x, async_op, s, ("broadcast", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce(self, x, op, root, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
