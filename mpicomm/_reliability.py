@@ -175,6 +175,11 @@ class Hooks:
 
     def run_checked(self, g, code, x, op, root, async_op, fn, args):
         """run() for debug mode and NCCL: compare arguments first, note the GPU stream after."""
+        if self._fired:  # the watchdog is aborting the job: NCCL calls would not fail by themselves
+            from .errors import CommunicationError
+
+            raise CommunicationError(f"{_NAMES[code]} on group {g.name!r}: the job is being aborted "
+                                     "after a collective timed out (see the CollectiveTimeoutError above)")
         b = self._rows.get(g)
         if b is None:
             b = self._row(g)

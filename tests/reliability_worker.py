@@ -116,6 +116,10 @@ def main():
         x = arr(rng.standard_normal(4).astype(np.float32))
         for i in range(1000):
             mpicomm.all_reduce(x)
+            if GPU:  # NCCL calls return before the GPU work ends: wait, as the CPU does
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
             if r == 1 and i == 20:
                 raise ValueError("boom on purpose")
         say("finished")

@@ -468,7 +468,8 @@ class Setup:
 
     def check_ip(self):
         b = self.b
-        b.copy_in(self.ip_buf, self.ip_in)
+        # in-place all_gather: this rank's input is its own slice of the output
+        b.copy_in(self.ip_view if self.coll == "all_gather" else self.ip_buf, self.ip_in)
         self.ip()
         b.synchronize()
         if self.coll == "reduce_scatter":
