@@ -201,8 +201,12 @@ class Hooks:
         self.x = None
         if async_op and r is not None:
             r._what = r._what[:3] + (g, seq)
-        if self.nccl:
-            self._note_gpu(g, b, seq, code, x)
+        if self.nccl:  # note the GPU stream for the watchdog (inline: the hot path of NCCL)
+            impl = g.impl
+            s = impl.last_stream
+            if s is not None:  # None: a host array, which took the MPI path
+                impl.last_stream = None
+                self._gpu[b] = (seq, _NAMES[code], s, (x.shape, x.dtype), g)
         return r
 
     def _row(self, g):
@@ -251,15 +255,6 @@ class Hooks:
             raise CollectiveMismatchError(_mismatch_table(g, allv))
 
     # ------------------------------------------------------------ NCCL
-    def _note_gpu(self, g, b, seq, code, x):
-        impl = g.impl
-        s = getattr(impl, "last_stream", None)
-        if s is None:  # a host array: the MPI path, watched like any other
-            return
-        impl.last_stream = None
-        # shape and dtype only (formatting them is left to a timeout: this is the hot path)
-        self._gpu[b] = (seq, _NAMES[code], s, (getattr(x, "shape", None), getattr(x, "dtype", None)), g)
-
     # ------------------------------------------------------------ watchdog
     def start(self):
         if self.timeout > 0:
