@@ -206,7 +206,8 @@ class Hooks:
             s = impl.last_stream
             if s is not None:  # None: a host array, which took the MPI path
                 impl.last_stream = None
-                self._gpu[b] = (seq, _NAMES[code], s, (x.shape, x.dtype), g)
+                if x is not None:  # (a barrier may find the stream of an unwatched send/recv)
+                    self._gpu[b] = (seq, _NAMES[code], s, (x.shape, x.dtype), g)
         return r
 
     def _row(self, g):
