@@ -198,6 +198,7 @@ def test_gpu_send_recv(nccl, request):
             mpicomm.send(x, dst)
         synced(None, k)
         close(k.host(out), data(src, key, (33,), np.float64))
+        mpicomm.barrier()  # after point-to-point GPU work (once broke the watchdog's note)
 
 
 def test_gpu_zero_size_and_numpy_on_nccl(nccl, request):
