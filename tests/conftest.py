@@ -54,12 +54,17 @@ _JOB_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID")
 _CONFIG_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_")  # settings of the machine (e.g. plm=isolated): kept
 
 
-def clean_mpi_env(extra=None, drop=(), drop_prefixes=()):
+_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1", "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+def clean_mpi_env(extra=None, drop=(), drop_prefixes=(), oversubscribe=True):
     """Environment for a child mpirun started from inside a test: no inherited MPI job
-    (but the machine's MCA settings), the repo on PYTHONPATH, NCCL_NVLS_ENABLE=0 kept."""
+    (but the machine's MCA settings), the repo on PYTHONPATH, NCCL_NVLS_ENABLE=0 kept.
+    ``oversubscribe=False`` leaves rank placement to the hostfile (the launcher's tests)."""
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(_JOB_PREFIXES) and not k.startswith(_CONFIG_PREFIXES))
-           and not (drop_prefixes and k.startswith(drop_prefixes)) and k not in drop}
+           and not (drop_prefixes and k.startswith(drop_prefixes)) and k not in drop
+           and k not in _OVERSUBSCRIBE}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env["NCCL_NVLS_ENABLE"] = "0"
@@ -69,8 +74,8 @@ def clean_mpi_env(extra=None, drop=(), drop_prefixes=()):
     if os.geteuid() == 0:
         env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
         env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    env["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
-    env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+    if oversubscribe:
+        env.update(_OVERSUBSCRIBE)
     if extra:
         env.update(extra)
     return env

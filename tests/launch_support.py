@@ -27,7 +27,7 @@ def clean_mpi_env(extra=None, drop=()):
     so that forwarding tests see only what they set."""
     from conftest import clean_mpi_env as base
 
-    return base(extra, drop=drop, drop_prefixes=("MPICOMM_", "NCCL_"))
+    return base(extra, drop=drop, drop_prefixes=("MPICOMM_", "NCCL_"), oversubscribe=False)
 
 
 def have_mpirun():
