@@ -17,6 +17,7 @@ import mpicomm
 from mpicomm import ReduceOp
 from mpicomm.backends import shm as _shm
 from mpicomm.errors import InvalidArgumentError
+from test_collectives import allowed, data, reduce_np  # one source of test data and expectations
 
 pytestmark = pytest.mark.mpi
 
@@ -26,39 +27,6 @@ DTYPES = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float1
 OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
 THRESHOLD = 512      # bytes, in these tests
 PIECE = 4096         # bytes of a segment buffer, in these tests: many pieces per call
-
-
-def allowed(op, dt):
-    dt = np.dtype(dt)
-    if dt.kind == "c":
-        return op in (ReduceOp.SUM, ReduceOp.AVG)
-    if op is ReduceOp.AVG:
-        return dt.kind == "f" or dt == BF16
-    return True
-
-
-def data(rank, key, shape, dt, op=ReduceOp.SUM):
-    """Rank-dependent random data that keeps SUM and PROD exact in the dtype."""
-    g = np.random.default_rng([rank, zlib.crc32(key.encode())])
-    dt = np.dtype(dt)
-    if op is ReduceOp.PROD:
-        v = g.choice(np.array([1, 2, -1, 1, 1, 3] if dt.kind != "u" else [1, 2, 1, 1, 3]), size=shape)
-    elif dt.kind in "iu":
-        v = g.integers(0 if dt.kind == "u" else -20, 21, size=shape)
-    else:
-        v = g.integers(-64, 65, size=shape) / 4.0
-    if dt.kind == "c":
-        return (v + 1j * (g.integers(-64, 65, size=shape) / 4.0)).astype(dt)
-    return v.astype(dt)
-
-
-def reduce_np(arrs, op):
-    dt = arrs[0].dtype
-    wide = np.complex128 if dt.kind == "c" else (np.int64 if dt.kind in "iu" else np.float64)
-    s = np.stack([a.astype(wide) for a in arrs])
-    r = {ReduceOp.SUM: lambda: s.sum(0), ReduceOp.PROD: lambda: s.prod(0), ReduceOp.MIN: lambda: s.min(0),
-         ReduceOp.MAX: lambda: s.max(0), ReduceOp.AVG: lambda: s.sum(0) / len(arrs)}[op]()
-    return r.astype(dt)
 
 
 def assert_close(a, b):

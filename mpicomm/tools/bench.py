@@ -964,15 +964,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = main()
-    from mpi4py import MPI
+    from ._common import exit_cleanly
 
-    if not MPI.Is_finalized():
-        try:
-            import mpicomm
-
-            mpicomm.finalize()
-        except Exception:
-            pass
-        MPI.Finalize()
-    sys.exit(code)
+    exit_cleanly(main())

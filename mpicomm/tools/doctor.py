@@ -249,11 +249,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = main()
-    # Every rank agrees on the status, so end MPI cleanly first: under `python -m mpi4py`
-    # (as mpicomm-run starts it) a non-zero exit with MPI still up becomes MPI_Abort.
-    from mpi4py import MPI
+    from ._common import exit_cleanly
 
-    if not MPI.Is_finalized():
-        MPI.Finalize()
-    sys.exit(code)
+    exit_cleanly(main())

@@ -579,17 +579,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = main()
-    # every rank agrees on the status: end MPI cleanly first, so that a non-zero exit under
-    # `python -m mpi4py` (as mpicomm-run starts it) is not turned into MPI_Abort
-    from mpi4py import MPI
+    from ._common import exit_cleanly
 
-    if not MPI.Is_finalized():
-        try:
-            import mpicomm
-
-            mpicomm.finalize()
-        except Exception:
-            pass
-        MPI.Finalize()
-    sys.exit(code)
+    exit_cleanly(main())
