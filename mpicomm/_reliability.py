@@ -147,12 +147,12 @@ class Hooks:
             self.run = self.run_checked
 
     # ------------------------------------------------------------ hot path
-    def run(self, g, code, x, op, root, async_op, fn, args):
+    def run(self, g, code, x, async_op, fn, args):
         """Run ``fn(*args)``, collective ``code`` (see _CODES) on group ``g``, publishing progress.
 
         The hot path of every collective: a few stores, no clock, no allocation.
         """
-        b = self._rows.get(g)
+        b = g.row
         if b is None:
             b = self._row(g)
         seq = g.seq + 1
@@ -173,14 +173,14 @@ class Hooks:
             r._what = r._what[:3] + (g, seq)
         return r
 
-    def run_checked(self, g, code, x, op, root, async_op, fn, args):
+    def run_checked(self, g, code, x, async_op, fn, args):
         """run() for debug mode and NCCL: compare arguments first, note the GPU stream after."""
         if self._fired:  # the watchdog is aborting the job: NCCL calls would not fail by themselves
             from .errors import CommunicationError
 
             raise CommunicationError(f"{_NAMES[code]} on group {g.name!r}: the job is being aborted "
                                      "after a collective timed out (see the CollectiveTimeoutError above)")
-        b = self._rows.get(g)
+        b = g.row
         if b is None:
             b = self._row(g)
         seq = g.seq + 1
@@ -191,7 +191,7 @@ class Hooks:
         self.x = x
         try:
             if self.debug:
-                self.check(g, code, x, op, root, seq)
+                self.check(g, code, x, *_op_root(code, args), seq)
             r = fn(*args)
         except BaseException:
             self.x = None
@@ -218,14 +218,14 @@ class Hooks:
             self._next += 1
         else:  # more live groups than rows: share the last row, which is not published
             b = _HDR + (_ROWS - 1) * _F
-            self._rows[g] = b + _ENTERED
+            self._rows[g] = g.row = b + _ENTERED
             return b + _ENTERED
         h = _ghash(g.name)
         self._names[h] = g.name
         m = self._m
         m[b + _ENTERED] = m[b + _DONE] = 0
         m[b + _GHASH] = h
-        self._rows[g] = b + _ENTERED
+        self._rows[g] = g.row = b + _ENTERED
         return b + _ENTERED
 
     def group_created(self, g):
@@ -235,6 +235,7 @@ class Hooks:
 
     def group_destroyed(self, g):
         b = self._rows.pop(g, None)
+        g.row = None
         self._gpu.pop(b, None)
         if b is not None and b - _ENTERED != _HDR + (_ROWS - 1) * _F:
             self._m[b - _ENTERED + _GHASH] = 0
@@ -503,6 +504,17 @@ def _desc(x):
         return "no array"
     shape, dtype = _shape_dtype(x)
     return f"shape {shape}, dtype {dtype}"
+
+
+def _op_root(code, args):
+    """(op, root) of a collective from the arguments its backend method takes."""
+    if code in (1, 3):   # all_reduce, reduce_scatter: (x, op, out, ...)
+        return args[1], None
+    if code == 4:        # broadcast: (x, root, ...)
+        return None, args[1]
+    if code == 5:        # reduce: (x, op, root, out, ...)
+        return args[1], args[2]
+    return None, None
 
 
 def _descriptor(code, x, op, root, g, seq):

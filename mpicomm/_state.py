@@ -15,7 +15,7 @@ DEFAULT_TIMEOUT = 600.0  # seconds; MPICOMM_TIMEOUT overrides, init(timeout=) wi
 class Group:
     """A named set of world ranks with its own MPI communicator and backend communicator."""
 
-    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "impl", "seq", "__weakref__")
+    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "impl", "seq", "row", "__weakref__")
 
     def __init__(self, name, ranks, rank, mpi_comm, impl):
         self.name = name
@@ -25,6 +25,7 @@ class Group:
         self.mpi_comm = mpi_comm       # an mpicomm-owned MPI communicator (never the user's)
         self.impl = impl               # the backend's communicator object
         self.seq = 0                   # collectives issued on this group so far
+        self.row = None                # index of its progress row in the reliability window
 
     def __repr__(self):
         return f"Group({self.name!r}, ranks={list(self.ranks)})"

@@ -16,10 +16,8 @@ from .ops import ReduceOp, as_op
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _BROADCAST, _REDUCE, _ALL_TO_ALL, _BARRIER = range(1, 8)
 
 
-def _g(group):
-    if group is None and CTX.initialized:
-        return CTX.world
-    return get_group(group)
+# The front functions are the hot path of every call: each line below costs tens of
+# nanoseconds, so the group and op look-ups are written out rather than called.
 
 
 def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=None):
@@ -28,20 +26,25 @@ def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=
     Raises InvalidArgumentError for an unknown op, AVG on integers, MIN/MAX/PROD on
     complex, an unsupported dtype, or an ``out`` of the wrong shape/dtype/layout.
     """
-    g = _g(group)
-    op = as_op(op)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
+    if op.__class__ is not ReduceOp:
+        op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _ALL_REDUCE, x, op, None, async_op, g.impl.all_reduce, (x, op, out, async_op, stream))
+        return h.run(g, _ALL_REDUCE, x, async_op, g.impl.all_reduce, (x, op, out, async_op, stream))
     return g.impl.all_reduce(x, op, out, async_op, stream)
 
 
 def all_gather(x, out=None, group=None, async_op=False, stream=None):
     """Concatenate every rank's ``x`` along axis 0: shape (d0, ...) -> (n*d0, ...)."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _ALL_GATHER, x, None, None, async_op, g.impl.all_gather, (x, out, async_op, stream))
+        return h.run(g, _ALL_GATHER, x, async_op, g.impl.all_gather, (x, out, async_op, stream))
     return g.impl.all_gather(x, out, async_op, stream)
 
 
@@ -50,61 +53,77 @@ def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, str
 
     Raises InvalidArgumentError when axis 0 does not divide by the group size.
     """
-    g = _g(group)
-    op = as_op(op)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
+    if op.__class__ is not ReduceOp:
+        op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _REDUCE_SCATTER, x, op, None, async_op, g.impl.reduce_scatter,
+        return h.run(g, _REDUCE_SCATTER, x, async_op, g.impl.reduce_scatter,
                      (x, op, out, async_op, stream))
     return g.impl.reduce_scatter(x, op, out, async_op, stream)
 
 
 def broadcast(x, root=0, group=None, async_op=False, stream=None):
     """Fill ``x`` on every rank with root's ``x``, in place; returns ``x``."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _BROADCAST, x, None, root, async_op, g.impl.broadcast, (x, root, async_op, stream))
+        return h.run(g, _BROADCAST, x, async_op, g.impl.broadcast, (x, root, async_op, stream))
     return g.impl.broadcast(x, root, async_op, stream)
 
 
 def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, stream=None):
     """Reduce ``x`` over the group onto ``root``; returns the result on root, None elsewhere."""
-    g = _g(group)
-    op = as_op(op)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
+    if op.__class__ is not ReduceOp:
+        op = as_op(op)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _REDUCE, x, op, root, async_op, g.impl.reduce, (x, op, root, out, async_op, stream))
+        return h.run(g, _REDUCE, x, async_op, g.impl.reduce, (x, op, root, out, async_op, stream))
     return g.impl.reduce(x, op, root, out, async_op, stream)
 
 
 def all_to_all(x, out=None, group=None, async_op=False, stream=None):
     """Split axis 0 into n chunks; chunk j goes to rank j, and chunk i of the result came from rank i."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _ALL_TO_ALL, x, None, None, async_op, g.impl.all_to_all, (x, out, async_op, stream))
+        return h.run(g, _ALL_TO_ALL, x, async_op, g.impl.all_to_all, (x, out, async_op, stream))
     return g.impl.all_to_all(x, out, async_op, stream)
 
 
 def send(x, dst, group=None, tag=0, async_op=False, stream=None):
     """Send ``x`` to rank ``dst`` of the group (matched by a ``recv`` there)."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     return g.impl.send(x, dst, tag, async_op, stream)
 
 
 def recv(out, src, group=None, tag=0, async_op=False, stream=None):
     """Receive into ``out`` from rank ``src`` of the group; returns ``out``."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     return g.impl.recv(out, src, tag, async_op, stream)
 
 
 def barrier(group=None, async_op=False):
     """Block until every rank of the group has reached the barrier."""
-    g = _g(group)
+    g = CTX.world if group is None else None
+    if g is None:
+        g = get_group(group)
     h = CTX.hooks
     if h is not None:
-        return h.run(g, _BARRIER, None, None, None, async_op, g.impl.barrier, (async_op,))
+        return h.run(g, _BARRIER, None, async_op, g.impl.barrier, (async_op,))
     return g.impl.barrier(async_op)
 
 

@@ -96,6 +96,34 @@ class Work:
         return f"<mpicomm.Work {self._what[0]} {state}>"
 
 
+REPLAY_MAX = 256 * 1024  # bytes: the largest arrays a Replay keeps a reference to
+
+
+class Replay:
+    """The last blocking call of one collective on one communicator that took the plain path.
+
+    Loops call a collective with the same arrays again and again. When ``x``, ``out`` and
+    ``op`` are the very objects of the last validated call, and ``x`` still has the shape
+    and dtype it had (NumPy lets code change both in place), the call is repeated with
+    the arguments prepared then, and no check is done twice. Only small arrays are kept
+    (up to REPLAY_MAX bytes), as the entry holds a reference to them; above that size the
+    checks cost nothing next to the transfer.
+    """
+
+    __slots__ = ("x", "out", "op", "shape", "dtype", "a", "b", "c", "d", "e")
+
+    def __init__(self, x=None, out=None, op=None, a=None, b=None, c=None, d=None, e=None):
+        self.x = x if x is not None else _NEVER  # no array is the sentinel: an empty entry never matches
+        self.out, self.op = out, op
+        self.shape = x.shape if x is not None else None
+        self.dtype = x.dtype if x is not None else None
+        self.a, self.b, self.c, self.d, self.e = a, b, c, d, e
+
+
+_NEVER = object()
+NO_REPLAY = Replay()
+
+
 class Backend:
     """A transport: makes one communicator per group."""
 
@@ -111,4 +139,4 @@ class Backend:
         pass
 
 
-__all__ = ["Backend", "Work", "CollectiveTimeoutError"]
+__all__ = ["Backend", "Work", "Replay", "NO_REPLAY", "REPLAY_MAX", "CollectiveTimeoutError"]
