@@ -11,6 +11,7 @@ same order.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -401,6 +402,11 @@ class DistributedGradReducer:
         self._build(plan, specs)
         self._reset_step()
         self._sides = {}
+        # Blocking reductions (reduce_ / __call__) on NCCL issue every bucket's all-reduce
+        # inside one NCCL group (ncclGroupStart/End): NCCL schedules them together instead
+        # of one after the other, so small buckets lose little to one big buffer.
+        # MPICOMM_BUCKET_GROUP=0 (or setting this attribute to False) issues them one by one.
+        self.group_launch = os.environ.get("MPICOMM_BUCKET_GROUP", "1") not in ("0", "off", "false")
 
     # ----------------------------------------------------------- setup
     def _build(self, plan, specs):
@@ -498,7 +504,7 @@ class DistributedGradReducer:
                                        "finish it with wait() first")
 
     # ----------------------------------------------------------- reduction
-    def _launch(self, b, overlap):
+    def _launch(self, b, overlap, post=True):
         fam, n = b.fam, self.size
         side = None
         if b.stream_mode and overlap:
@@ -513,9 +519,13 @@ class DistributedGradReducer:
                     fam.scale(b.wire, b.flat, n)
                 elif b.wire is not b.flat:
                     fam.copy(b.wire, b.flat)
-                if b.stream_mode:  # enqueued on the stream; ordered, nothing to wait for on the host
+                if b.stream_mode or not overlap:
+                    # enqueued on the stream (ordered, nothing to wait for on the host), or a
+                    # blocking step on the host: a blocking call, which may take the
+                    # shared-memory path
                     collectives.all_reduce(b.wire, ReduceOp.SUM, out=b.wire, group=self.group, stream=side)
-                    self._post(b)
+                    if post:
+                        self._post(b)
                 else:
                     b.work = collectives.all_reduce(b.wire, ReduceOp.SUM, out=b.wire, group=self.group,
                                                     async_op=True)
@@ -535,11 +545,35 @@ class DistributedGradReducer:
             self._used_sides.append(key)
         return s
 
-    def _launch_ready(self, overlap):
+    def _launch_ready(self, overlap, post=True):
         bs = self._buckets
         while self._next < len(bs) and bs[self._next].remaining == 0:
-            self._launch(bs[self._next], overlap)
+            self._launch(bs[self._next], overlap, post)
             self._next += 1
+
+    def _nccl_group(self):
+        """CuPy's NCCL module when every bucket goes to NCCL and there are several, else None."""
+        bs = [b for b in self._buckets if b.numel]
+        if not self.group_launch or len(bs) < 2 or not all(b.stream_mode for b in bs):
+            return None
+        return getattr(get_group(self.group).impl, "nccl", None)
+
+    def _launch_all(self):
+        """Blocking step: launch every bucket (in one NCCL group where _nccl_group allows)."""
+        nccl = self._nccl_group()
+        if nccl is None:
+            self._launch_ready(overlap=False)
+            return
+        # The post-steps (unscale, copy out of a compressed wire buffer) must follow the
+        # all-reduces on the stream, and NCCL enqueues those only at groupEnd.
+        nccl.groupStart()
+        try:
+            self._launch_ready(overlap=False, post=False)
+        finally:
+            nccl.groupEnd()
+        for b in self._buckets:
+            if b.numel:
+                self._post(b)
 
     def _finish(self):
         for b in self._buckets:
@@ -561,7 +595,7 @@ class DistributedGradReducer:
                 self._specs[i][0].copy(v, g)
         for b in self._buckets:
             b.remaining = 0
-        self._launch_ready(overlap=False)
+        self._launch_all()
         self._finish()
         self._reset_step()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -74,13 +74,26 @@ fi
 if want train && [ -f scripts/train_data_parallel.py ]; then
     step "train-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/train_data_parallel.py --min-accuracy 0.9
 fi
+B=("$PY" -m mpicomm.tools.bench --backend nccl --compare)
+if want profile; then
+    step "profile-call-np$NGPU" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/profile_call.py --iters 20000
+fi
+if want bench8 || want bench; then
+    for c in all_reduce all_gather reduce_scatter broadcast; do
+        step "bench-8B-median-$c" 200 "${MPI[@]}" "$NGPU" "${B[@]}" --coll "$c" -b 8 -e 8 -n 20000 -w 1000 \
+            --rounds 10 --stat median
+    done
+fi
+if want buckets; then
+    step "gpu-buckets-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py tests/test_train.py
+    step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
+        --json "$RES/bench_buckets.json"
+fi
 if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
-    B=("$PY" -m mpicomm.tools.bench --backend nccl --compare)
     for c in all_reduce all_gather reduce_scatter broadcast; do
         step "bench-$c" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll "$c" -b 8 -e 1G -f 2 -n 0 --target-time 0.25 \
             -w 5 --rounds 4 --json "$RES/bench_$c.json" --plot "$OUT/bench_$c.png"
     done
-    step "bench-8B-median" 200 "${MPI[@]}" "$NGPU" "${B[@]}" -b 8 -e 8 -n 20000 -w 1000 --rounds 10 --stat median
     step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
         --json "$RES/bench_buckets.json" --plot "$RES/bench_buckets.png"
     step "bench-buckets-script" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_buckets.py --iters 50 --warmup 5 \

@@ -249,3 +249,43 @@ def test_gpu_arrays_staged_on_mpi_backend(comm, request):
         b = k.to(xs[me])
         mpicomm.broadcast(b, root=n - 1)
         close(k.host(b), xs[n - 1])
+
+
+def test_gpu_repeated_calls_same_arrays(nccl):
+    """The NCCL backend repeats a validated call on the same CuPy arrays without checks
+    (base.Replay): new contents, a new op or root and a shape changed in place must
+    still give the right result or error."""
+    import cupy
+
+    from test_repeat import all_data, rank_data
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    x = cupy.empty(7, cupy.float32)
+    o = cupy.empty(7, cupy.float32)
+    for mode in ("new", "out", "inplace"):
+        for step, op in enumerate([ReduceOp.SUM, ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MAX, ReduceOp.SUM]):
+            x[...] = cupy.asarray(rank_data(r, "g" + mode, step, 7, np.float32))
+            exp = (np.sum if op is ReduceOp.SUM else np.max)(np.stack(all_data("g" + mode, step, 7, np.float32)), 0)
+            got = {"new": lambda: mpicomm.all_reduce(x, op), "out": lambda: mpicomm.all_reduce(x, op, out=o),
+                   "inplace": lambda: mpicomm.all_reduce(x, op, out=x)}[mode]()
+            np.testing.assert_array_equal(got.get(), exp)
+    x.shape = (7, 1)
+    assert mpicomm.all_reduce(x).shape == (7, 1)
+    with pytest.raises(mpicomm.InvalidArgumentError, match=r"out\.shape"):
+        mpicomm.all_reduce(x, out=o)
+    xg = cupy.empty((2, 3), cupy.int32)
+    og = cupy.empty((2 * n, 3), cupy.int32)
+    xs = cupy.empty((2 * n, 3), cupy.float64)
+    os_ = cupy.empty((2, 3), cupy.float64)
+    b = cupy.empty(5, cupy.int64)
+    for step in range(4):
+        xg[...] = cupy.asarray(rank_data(r, "gag", step, (2, 3), np.int32))
+        got = mpicomm.all_gather(xg, out=og) if step % 2 else mpicomm.all_gather(xg)
+        np.testing.assert_array_equal(got.get(), np.concatenate(all_data("gag", step, (2, 3), np.int32)))
+        xs[...] = cupy.asarray(rank_data(r, "grs", step, xs.shape, np.float64))
+        got = mpicomm.reduce_scatter(xs, out=os_) if step % 2 else mpicomm.reduce_scatter(xs)
+        np.testing.assert_array_equal(got.get(), np.sum(all_data("grs", step, xs.shape, np.float64), 0)[2 * r:2 * r + 2])
+        root = [0, 0, n - 1, n - 1][step]
+        b[...] = cupy.asarray(rank_data(r, "gbc", step, 5, np.int64))
+        mpicomm.broadcast(b, root)
+        np.testing.assert_array_equal(b.get(), rank_data(root, "gbc", step, 5, np.int64))

@@ -110,14 +110,14 @@ class Replay:
     checks cost nothing next to the transfer.
     """
 
-    __slots__ = ("x", "out", "op", "shape", "dtype", "a", "b", "c", "d", "e")
+    __slots__ = ("x", "out", "op", "shape", "dtype", "a", "b", "c", "d", "e", "f")
 
-    def __init__(self, x=None, out=None, op=None, a=None, b=None, c=None, d=None, e=None):
+    def __init__(self, x=None, out=None, op=None, a=None, b=None, c=None, d=None, e=None, f=None):
         self.x = x if x is not None else _NEVER  # no array is the sentinel: an empty entry never matches
         self.out, self.op = out, op
         self.shape = x.shape if x is not None else None
         self.dtype = x.dtype if x is not None else None
-        self.a, self.b, self.c, self.d, self.e = a, b, c, d, e
+        self.a, self.b, self.c, self.d, self.e, self.f = a, b, c, d, e, f
 
 
 _NEVER = object()

@@ -796,6 +796,19 @@ def run_buckets(b, progress):
         if hasattr(red, "grad_views"):
             views = red.grad_views()
             modes.append(("buckets (grad_views)", nb, functools.partial(red.reduce_, views), None))
+            if getattr(red, "group_launch", False) and b.backend == "nccl":
+                red1 = Reducer(grads, mean=False)  # the same buckets issued one by one, not in an NCCL group
+                red1.group_launch = False
+                modes.append(("buckets (one by one)", nb, functools.partial(red1.reduce_, red1.grad_views()), None))
+            if hasattr(red, "mark_ready"):
+                order = list(range(len(grads)))[::-1]  # the order backward produces gradients
+
+                def overlapped(red=red, order=order):
+                    for i in order:
+                        red.mark_ready(i)
+                    red.wait()
+
+                modes.append(("buckets (mark_ready)", nb, overlapped, None))
     modes.append(("one buffer", 1, functools.partial(mc.all_reduce, flat, SUM, flat), raw_flat))
     rows = []
     if b.rank == 0:
