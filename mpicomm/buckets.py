@@ -66,6 +66,11 @@ class _Numpy:
     def clone(a):
         return a.copy()
 
+    @staticmethod
+    def pack(flat, arrays):
+        """Copy ``arrays`` one after the other into ``flat`` (one call, not one per array)."""
+        np.concatenate([a.reshape(-1) for a in arrays], out=flat)
+
 
 class _Cupy(_Numpy):
     name = "cupy"
@@ -99,6 +104,10 @@ class _Cupy(_Numpy):
         cls._cp().copyto(dst, src, casting="unsafe")
 
     @classmethod
+    def pack(cls, flat, arrays):
+        cls._cp().concatenate([a.reshape(-1) for a in arrays], out=flat)  # one kernel for many arrays
+
+    @classmethod
     def scale(cls, dst, src, n):
         cls._cp().divide(src, n, out=dst, casting="unsafe")
 
@@ -116,9 +125,9 @@ class _Cupy(_Numpy):
     def current_waits_side(cls, side):
         cls._cp().cuda.get_current_stream().wait_event(side.record())
 
-    @staticmethod
-    def on(side):
-        return side  # a cupy Stream is a context manager that makes it current
+    @classmethod
+    def on(cls, side):
+        return _CupyOn(cls._cp(), side)
 
 
 class _Torch:
@@ -172,6 +181,12 @@ class _Torch:
     @staticmethod
     def clone(a):
         return a.detach().clone()
+
+    @classmethod
+    def pack(cls, flat, arrays):
+        t = cls._t()
+        with t.no_grad():
+            t.cat([a.detach().reshape(-1) for a in arrays], out=flat)
 
     @classmethod
     def new_stream(cls, device):
@@ -318,7 +333,7 @@ def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
 
 class _Bucket:
     __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
-                 "stream_mode", "remaining", "work", "numel")
+                 "stream_mode", "remaining", "work", "numel", "layout")
 
 
 class DistributedGradReducer:
@@ -424,7 +439,9 @@ class DistributedGradReducer:
             b.flat = fam.zeros(b.numel, dt, dev)
             off = 0
             b.views = []
+            b.layout = []  # (gradient index, offset, size, shape)
             for i, sz in zip(idx, sizes):
+                b.layout.append((i, off, sz, specs[i][1]))
                 v = fam.view(b.flat, off, sz, specs[i][1])
                 self._views[i] = v
                 self._bucket_of[i] = bi
@@ -589,10 +606,15 @@ class DistributedGradReducer:
     def _run(self, grads):
         self._check_idle("reducing")
         self._check_grads(grads)
-        for i, g in enumerate(grads):
-            v = self._views[i]
-            if g is not v:
-                self._specs[i][0].copy(v, g)
+        for b in self._buckets:
+            given = [grads[i] for i in b.indices]
+            fresh = [g is not v for g, v in zip(given, b.views)]
+            if len(given) > 1 and all(fresh):
+                b.fam.pack(b.flat, given)
+            else:
+                for g, v, f in zip(given, b.views, fresh):
+                    if f:
+                        b.fam.copy(v, g)
         for b in self._buckets:
             b.remaining = 0
         self._launch_all()
@@ -600,9 +622,18 @@ class DistributedGradReducer:
         self._reset_step()
 
     def __call__(self, grads):
-        """Return the reduced gradients as new arrays (``grads`` is left as it is)."""
+        """Return the reduced gradients as new arrays (``grads`` is left as it is).
+
+        The arrays of one bucket are views into one new buffer (one copy per bucket, not
+        one per gradient), as PyTorch's ``_unflatten_dense_tensors`` gives them.
+        """
         self._run(grads)
-        return [self._specs[i][0].clone(v) for i, v in enumerate(self._views)]
+        out = [None] * len(self._views)
+        for b in self._buckets:
+            flat = b.fam.clone(b.flat)
+            for i, off, sz, shape in b.layout:
+                out[i] = b.fam.view(flat, off, sz, shape)
+        return out
 
     def reduce_(self, grads):
         """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
@@ -667,6 +698,27 @@ class DistributedGradReducer:
         return (f"DistributedGradReducer({len(self._specs)} gradients in {len(self._plan)} buckets, "
                 f"mean={self.mean}, bucket_cap_mb={self.bucket_cap_mb}, fusion_config={self.fusion_config}, "
                 f"compression={self.compression!r}, fp32_sync={self.fp32_sync}, group={self.group!r})")
+
+
+class _CupyOn:
+    """Make ``side`` CuPy's current stream, and restore exactly the stream that was current.
+
+    (A CuPy stream's own ``with`` block restores the stream of the enclosing ``with``, which
+    is the null stream when the caller had chosen its stream with ``Stream.use()``.)
+    """
+
+    __slots__ = ("cp", "side", "prev")
+
+    def __init__(self, cp, side):
+        self.cp, self.side = cp, side
+
+    def __enter__(self):
+        self.prev = self.cp.cuda.get_current_stream()
+        self.side.use()
+
+    def __exit__(self, *exc):
+        self.prev.use()
+        return False
 
 
 class _NullCtx:

@@ -519,3 +519,78 @@ def test_no_warnings_from_a_plain_plan():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan_buckets([8] * 5, fusion_config=[1, 3])
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["cupy", "torch"])
+@pytest.mark.parametrize("group_launch", [True, False])
+def test_gpu_blocking_step_several_buckets_compressed(nccl, which, group_launch, request):
+    """A blocking step over several fp16-compressed buckets, issued in one NCCL group or one
+    by one: the unscale/copy-back after each all-reduce must see the reduced data."""
+    to, host = _family(which)
+    n, r = nccl.get_group_size(), nccl.get_rank()
+    name = request.node.name
+    dts = [np.float32] * len(SHAPES)
+    red = nccl.DistributedGradReducer([to(np.zeros(s, np.float32)) for s in SHAPES], mean=True,
+                                      compression="fp16", bucket_cap_mb=cap_for(300))
+    assert len(red.buckets) >= 3
+    red.group_launch = group_launch
+    for step in range(2):
+        out = red.reduce_([to(g) for g in grads_of(r, name + str(step), SHAPES, dts)])
+        for o, w in zip(out, total(name + str(step), SHAPES, dts, n)):
+            np.testing.assert_allclose(host(o), w / n, atol=2.0 ** -11 * 8 * max(1.0, float(np.abs(w).max())))
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["overlap", "views"])
+def test_gpu_reducer_keeps_the_callers_stream(nccl, mode, request):
+    """A stream chosen with cupy Stream.use() is still current after mark_ready/wait and
+    reduce_, and the results are ready for it."""
+    import cupy
+
+    n, r = nccl.get_group_size(), nccl.get_rank()
+    name = request.node.name
+    dts = [np.float32] * len(SHAPES)
+    mine = cupy.cuda.Stream(non_blocking=True)
+    prev = cupy.cuda.get_current_stream()
+    mine.use()
+    try:
+        red = nccl.DistributedGradReducer([cupy.zeros(s, np.float32) for s in SHAPES], mean=False,
+                                          bucket_cap_mb=cap_for(300))
+        views = red.grad_views()
+        for v, g in zip(views, grads_of(r, name, SHAPES, dts)):
+            v[...] = cupy.asarray(g)
+        if mode == "overlap":
+            for i in reversed(range(len(SHAPES))):
+                red.mark_ready(i)
+            out = red.wait()
+        else:
+            out = red.reduce_(views)
+        assert cupy.cuda.get_current_stream().ptr == mine.ptr
+        got = [cupy.asnumpy(o, stream=mine) for o in out]
+        mine.synchronize()
+    finally:
+        prev.use()
+    for o, w in zip(got, total(name, SHAPES, dts, n)):
+        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plan", ["default", "small_cap", "per_tensor"])
+def test_call_results_are_new_arrays_that_outlive_the_next_step(comm, plan, request):
+    """reducer(grads) packs each bucket in one call and returns views into one new buffer
+    per bucket: they must not alias the persistent buckets, so a later step leaves them."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    name = request.node.name
+    dts = [np.float32] * len(SHAPES)
+    red = comm.DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], mean=False, **PLANS[plan])
+    first = red(grads_of(r, name + "a", SHAPES, dts))
+    second = red(grads_of(r, name + "b", SHAPES, dts))
+    views = red.grad_views()
+    for got, want in ((first, total(name + "a", SHAPES, dts, n)), (second, total(name + "b", SHAPES, dts, n))):
+        for o, w, s in zip(got, want, SHAPES):
+            assert o.shape == s and o.dtype == np.float32
+            np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
+            assert not any(np.shares_memory(o, v) for v in views)
