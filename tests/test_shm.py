@@ -78,7 +78,7 @@ def groups(comm):
     for name in mine:
         _shm.configure(impl(name))
         if impl(name).shm is not None:
-            impl(name).shm.piece = _shm._piece_bytes()
+            impl(name).shm.piece = _shm._piece_bytes(crowded=impl(name).shm.crowded)
 
 
 def small_pieces(group):
@@ -307,6 +307,31 @@ def test_window_grows_and_results_stay_right(groups):
             g.piece = PIECE
 
 
+def test_both_ways_of_waiting(groups):
+    """The spinning Barrier and the yielding Ibarrier (ranks outnumbering cores) give the
+    same results, for every collective, with many pieces."""
+    for group in groups:
+        m = small_pieces(group)
+        if m.shm is None:
+            continue
+        g = m.shm
+        crowded = g.crowded
+        try:
+            for mode in (not crowded, crowded):
+                g.crowded = mode             # the same on every rank, as open() decides it
+                x, arrs = rank_data(group, f"wait{mode}", (3000,), np.int32)
+                before = calls(group, "all_reduce")
+                assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+                expect_path(group, "all_reduce", before)
+                n = m.size
+                y = mpicomm.reduce_scatter(x[:3000 // n * n], group=group)
+                k = 3000 // n
+                r = mpicomm.get_rank(group)
+                assert_close(y, reduce_np([a[:k * n] for a in arrs], ReduceOp.SUM)[r * k:(r + 1) * k])
+        finally:
+            g.crowded = crowded
+
+
 def test_real_threshold(groups):
     """With the default thresholds: just below stays on Open MPI, just above takes the path."""
     for group in groups:
@@ -392,5 +417,8 @@ def test_threshold_settings():
         with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_THRESHOLD"):
             t(2, {"MPICOMM_SHM_THRESHOLD": bad})
     assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "8M"}) == 8 << 20
+    assert _shm._piece_bytes({}) == _shm.DEFAULT_PIECE
+    assert _shm._piece_bytes({}, crowded=True) == _shm.CROWDED_PIECE
+    assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "1M"}, crowded=True) == 1 << 20
     with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
         _shm._piece_bytes({"MPICOMM_SHM_PIECE": "x"})

@@ -16,17 +16,23 @@ memory directly:
   peers' segments into its output.
 - broadcast: root copies into its segment; barrier; the others copy out.
 
-Messages larger than a piece (MPICOMM_SHM_PIECE, default 2 MiB of segment) are done
-piece by piece, alternating between two buffers in every segment, so the working set
-stays in the last-level cache. Every piece has at least one barrier, and a piece
+Messages larger than a piece (MPICOMM_SHM_PIECE; default 2 MiB of segment, 8 MiB when
+the group's ranks outnumber the cores they may run on) are done piece by piece,
+alternating between two buffers in every segment, so the working set stays in the
+last-level cache. Every piece has at least one barrier, and a piece
 reads peers' buffer b only after its own barrier, so piece k+2 (same buffer) may
 overwrite it only after every peer has passed piece k+1's barrier, that is, finished
 reading piece k. The piece counter runs on across calls and collectives alike, so
 the same holds from one collective to the next.
 
 Synchronisation is ``Win.Sync`` (memory barrier; the window is in a passive-target
-epoch from ``Lock_all``) around ``Barrier``/``Ibarrier`` of the window's own
-communicator, so it never matches mpicomm's other traffic on the group.
+epoch from ``Lock_all``) around a barrier of the window's own communicator, so it
+never matches mpicomm's other traffic on the group. With a core per rank that is
+``Barrier`` (Open MPI spins: the fastest wake-up). When the ranks outnumber their cores
+("crowded": e.g. 4 ranks on 2 cores) every barrier needs every rank scheduled, so a
+spinning waiter only delays the rank it waits for: there the barrier is ``Ibarrier``
+polled with ``Test`` and ``os.sched_yield()`` in between, and the pieces are larger
+(8 MiB: a quarter of the barriers). Both were measured (docs/BENCHMARKS.md).
 
 Results: integers exactly as the ordinary path (wrap-around arithmetic is
 associative). Floats are reduced in the fixed order rank 0, 1, ..., n-1, once per
@@ -59,6 +65,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
                      "reduce_scatter": 256 << 10, "broadcast": NEVER}
 DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
+CROWDED_PIECE = 8 << 20   # the same when the group's ranks outnumber their cores
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
@@ -112,9 +119,11 @@ def disable(mc):
     configure(mc, {"MPICOMM_SHM_THRESHOLD": "off"})
 
 
-def _piece_bytes(env=os.environ):
+def _piece_bytes(env=os.environ, crowded=False):
     v = env.get("MPICOMM_SHM_PIECE", "").strip()
-    p = DEFAULT_PIECE if v == "" else _bytes("MPICOMM_SHM_PIECE", v)
+    if v == "":
+        return CROWDED_PIECE if crowded else DEFAULT_PIECE
+    p = _bytes("MPICOMM_SHM_PIECE", v)
     if p == 0:
         return _WHOLE           # 0: one piece per message (the window grows to the message)
     return max(p, 64 << 10)
@@ -127,10 +136,11 @@ def _round(v, a=_ALIGN):
 class ShmGroup:
     """The shared window of one group, and the collectives done through it."""
 
-    def __init__(self, node, piece):
+    def __init__(self, node, piece, crowded=False):
         self.comm = node                  # the group's ranks, in group order; own context
         self.rank = node.Get_rank()
         self.size = node.Get_size()
+        self.crowded = crowded            # more ranks than cores: barriers yield the core
         self.piece = piece                # cap on the bytes of one buffer of a segment
         self.win = None
         self.seg = 0                      # bytes of one buffer of one rank's segment
@@ -156,9 +166,16 @@ class ShmGroup:
             if node != MPI.COMM_NULL:
                 node.Free()
             return None
+        # crowded: the ranks outnumber the cores they may run on, all together (each
+        # rank's affinity: a rank bound to one core still shares it)
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = set(range(os.cpu_count() or 1))
+        crowded = comm.Get_size() > len(set().union(*node.allgather(cpus)))
         # the window is allocated at the first collective (a failure there is agreed on
         # and turns the path off, as here)
-        return cls(node, _piece_bytes() if piece is None else piece)
+        return cls(node, _piece_bytes(crowded=crowded) if piece is None else piece, crowded)
 
     def _grow(self, need):
         """Make every buffer at least ``need`` bytes (collective; all ranks pass the
@@ -206,11 +223,21 @@ class ShmGroup:
     def run(self, name, gen, result, post, what):
         """Run collective generator ``gen`` to the end (it yields at every barrier), blocking."""
         self.calls[name] += 1
-        win, bar = self.win, self.comm.Barrier
-        for _ in gen:
-            win.Sync()
-            bar()
-            win.Sync()
+        win = self.win
+        if self.crowded:
+            ibar, yld = self.comm.Ibarrier, os.sched_yield
+            for _ in gen:
+                win.Sync()
+                req = ibar()
+                while not req.Test():
+                    yld()
+                win.Sync()
+        else:
+            bar = self.comm.Barrier
+            for _ in gen:
+                win.Sync()
+                bar()
+                win.Sync()
         if post is not None:
             r = post()
             if r is not None:
