@@ -119,7 +119,7 @@ class Hooks:
         self.x = None                    # the input of the collective in progress (diagnosis only)
         self._rows = {}                  # Group -> base index of its row in the window
         self._names = {}                 # group hash -> name (every rank knows every group's name)
-        self._gpu = {}                   # row base -> (seq, code, stream, shape, dtype, group) of the last NCCL call
+        self._gpu = {}                   # row base -> (seq, code, stream object, shape, dtype, group) of the last NCCL call
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
         self._win = None
@@ -322,8 +322,10 @@ class Hooks:
                     pass  # the earlier event is still pending: judge by it first
                 else:
                     e = cupy.cuda.Event(block=False, disable_timing=True)
+                    st = entry[2]  # a CuPy or torch stream object, alive as long as the entry
+                    p = getattr(st, "ptr", None)
                     try:
-                        cupy.cuda.runtime.eventRecord(e.ptr, entry[2])
+                        cupy.cuda.runtime.eventRecord(e.ptr, p if p is not None else st.cuda_stream)
                     except Exception:
                         self._gpu.pop(b, None)
                         continue

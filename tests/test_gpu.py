@@ -289,3 +289,23 @@ def test_gpu_repeated_calls_same_arrays(nccl):
         b[...] = cupy.asarray(rank_data(r, "gbc", step, 5, np.int64))
         mpicomm.broadcast(b, root)
         np.testing.assert_array_equal(b.get(), rank_data(root, "gbc", step, 5, np.int64))
+
+
+def test_gpu_stream_dropped_after_a_collective(nccl):
+    """The watchdog records events on the stream of the last NCCL call; a stream the user
+    drops right after the call must stay valid for it (it holds the stream object)."""
+    import gc
+    import time
+
+    import cupy
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    x = cupy.arange(6, dtype=cupy.float32) * (r + 1)
+    s = cupy.cuda.Stream(non_blocking=True)
+    y = mpicomm.all_reduce(x, stream=s)
+    s.synchronize()
+    del s
+    gc.collect()
+    time.sleep(2.5)  # the watchdog wakes every second (timeout 600 s): it checks the last call twice
+    np.testing.assert_array_equal(y.get(), np.arange(6, dtype=np.float32) * sum(range(1, n + 1)))
+    np.testing.assert_array_equal(mpicomm.all_reduce(x).get(), y.get())

@@ -135,7 +135,9 @@ class NCCLComm:
         self._opcache = {}
         # the last plain blocking call of each collective on CuPy arrays, repeated without checks
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
-        self.last_stream = None  # stream of the last collective, for the watchdog (mpicomm._reliability)
+        # the stream object of the last collective, for the watchdog (mpicomm._reliability); the
+        # reference keeps the CUDA stream alive while the watchdog may record an event on it
+        self.last_stream = None
 
     def _forget(self):
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
@@ -213,20 +215,27 @@ class NCCLComm:
         return o
 
     def _stream(self, stream, kind):
+        """(cudaStream_t, the stream object or None): ``stream=`` or the current stream.
+
+        A stream given as a bare handle (int) comes back with None: nothing keeps it alive,
+        so the watchdog does not record events on it (mpicomm._reliability).
+        """
         if stream is None:
             if kind == "torch":
                 import torch
 
-                return torch.cuda.current_stream().cuda_stream
-            return self.cupy.cuda.get_current_stream().ptr
+                st = torch.cuda.current_stream()
+                return st.cuda_stream, st
+            st = self.cupy.cuda.get_current_stream()
+            return st.ptr, st
         if isinstance(stream, int):
-            return stream
+            return stream, None
         p = getattr(stream, "ptr", None)
         if p is None:
             p = getattr(stream, "cuda_stream", None)
         if p is None:
             raise invalid("stream", stream, "a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t (int)")
-        return p
+        return p, stream
 
     def _op(self, op, info):
         key = (op, info)
@@ -258,8 +267,8 @@ class NCCLComm:
     def _count(self, a, info):
         return (a.size if hasattr(a, "size") and not callable(a.size) else a.numel()) * info.nccl_scale
 
-    def _done(self, result, async_op, s, what, post=None):
-        self.last_stream = s
+    def _done(self, st, result, async_op, s, what, post=None):
+        self.last_stream = st
         if async_op:
             what = what if what[1] is not None else (what[0], tuple(result.shape), result.dtype)
             ev = self.cupy.cuda.Event(block=False, disable_timing=True)
@@ -280,13 +289,14 @@ class NCCLComm:
         r = self._r_all_reduce  # the same CuPy arrays as the last plain call: repeat it
         if x is r.x and out is r.out and op is r.op and stream is None and not async_op \
                 and x.dtype is r.dtype and x.shape == r.shape:
-            s = self._cur().ptr
+            st = self._cur()
+            s = st.ptr
             if out is None:
                 out = self._empty_cp(r.shape, r.dtype)
                 self.comm.allReduce(r.a, out.data.ptr, r.c, r.d, r.e, s)
             else:
                 self.comm.allReduce(r.a, r.b, r.c, r.d, r.e, s)
-            self.last_stream = s
+            self.last_stream = st
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_reduce(x, op, out, async_op, stream)
@@ -294,31 +304,33 @@ class NCCLComm:
         if f is not None:
             o = self._fast_out(x, out, x.shape)
             if o is not None:
-                s = self._cur().ptr
+                st = self._cur()
+                s = st.ptr
                 p, n = x.data.ptr, x.size * f[2]
                 self.comm.allReduce(p, o.data.ptr, n, f[0], f[1], s)
-                self.last_stream = s
+                self.last_stream = st
                 if x.nbytes <= REPLAY_MAX:
                     self._r_all_reduce = Replay(x, out, op, p, o.data.ptr, n, f[0], f[1])
                 return o
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
         o = self._out(a, kind, out, a.shape)
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.allReduce(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, nop, s)
-        return self._done(o, async_op, s, ("all_reduce", None))
+        return self._done(st, o, async_op, s, ("all_reduce", None))
 
     def all_gather(self, x, out, async_op, stream=None):
         r = self._r_all_gather
         if x is r.x and out is r.out and stream is None and not async_op \
                 and x.dtype is r.dtype and x.shape == r.shape:
-            s = self._cur().ptr
+            st = self._cur()
+            s = st.ptr
             if out is None:
                 out = self._empty_cp(r.e, r.dtype)
                 self.comm.allGather(r.a, out.data.ptr, r.c, r.d, s)
             else:
                 self.comm.allGather(r.a, r.b, r.c, r.d, s)
-            self.last_stream = s
+            self.last_stream = st
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_gather(x, out, async_op, stream)
@@ -327,10 +339,11 @@ class NCCLComm:
             shape = (self.size * x.shape[0],) + x.shape[1:]
             o = self._fast_out(x, out, shape)
             if o is not None:
-                s = self._cur().ptr
+                st = self._cur()
+                s = st.ptr
                 p, n = x.data.ptr, x.size * f[2]
                 self.comm.allGather(p, o.data.ptr, n, f[0], s)
-                self.last_stream = s
+                self.last_stream = st
                 if o.nbytes <= REPLAY_MAX:
                     self._r_all_gather = Replay(x, out, None, p, o.data.ptr, n, f[0], shape)
                 return o
@@ -338,21 +351,22 @@ class NCCLComm:
         self._fastops.setdefault((info.dtype, None), (info.nccl, None, info.nccl_scale))
         shape = (self.size * a.shape[0],) + tuple(a.shape[1:]) if a.ndim else (self.size,)
         o = self._out(a, kind, out, shape)
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.allGather(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, s)
-        return self._done(o, async_op, s, ("all_gather", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, o, async_op, s, ("all_gather", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce_scatter(self, x, op, out, async_op, stream=None):
         r = self._r_reduce_scatter
         if x is r.x and out is r.out and op is r.op and stream is None and not async_op \
                 and x.dtype is r.dtype and x.shape == r.shape:
-            s = self._cur().ptr
+            st = self._cur()
+            s = st.ptr
             if out is None:
                 out = self._empty_cp(r.f, r.dtype)
                 self.comm.reduceScatter(r.a, out.data.ptr, r.c, r.d, r.e, s)
             else:
                 self.comm.reduceScatter(r.a, r.b, r.c, r.d, r.e, s)
-            self.last_stream = s
+            self.last_stream = st
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.reduce_scatter(x, op, out, async_op, stream)
@@ -361,10 +375,11 @@ class NCCLComm:
             shape = (x.shape[0] // self.size,) + x.shape[1:]
             o = self._fast_out(x, out, shape)
             if o is not None and o is not x:
-                s = self._cur().ptr
+                st = self._cur()
+                s = st.ptr
                 p, n = x.data.ptr, o.size * f[2]
                 self.comm.reduceScatter(p, o.data.ptr, n, f[0], f[1], s)
-                self.last_stream = s
+                self.last_stream = st
                 if x.nbytes <= REPLAY_MAX:
                     self._r_reduce_scatter = Replay(x, out, op, p, o.data.ptr, n, f[0], f[1], shape)
                 return o
@@ -376,27 +391,29 @@ class NCCLComm:
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
         shape = (a.shape[0] // n,) + tuple(a.shape[1:])
         o = self._out(a, kind, out, shape)
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.reduceScatter(self._ptr(a, kind), self._ptr(o, kind), self._count(o, info),
                                 info.nccl, nop, s)
-        return self._done(o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype) if async_op else None)
 
     def broadcast(self, x, root, async_op, stream=None):
         r = self._r_broadcast
         if x is r.x and root is r.op and stream is None and not async_op \
                 and x.dtype is r.dtype and x.shape == r.shape:
-            s = self._cur().ptr
+            st = self._cur()
+            s = st.ptr
             self.comm.broadcast(r.a, r.a, r.c, r.d, root, s)
-            self.last_stream = s
+            self.last_stream = st
             return x
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.broadcast(x, root, async_op, stream)
         f = self._fast(x, None, stream, async_op)
         if f is not None and type(root) is int and 0 <= root < self.size:
-            s = self._cur().ptr
+            st = self._cur()
+            s = st.ptr
             p, n = x.data.ptr, x.size * f[2]
             self.comm.broadcast(p, p, n, f[0], root, s)
-            self.last_stream = s
+            self.last_stream = st
             if x.nbytes <= REPLAY_MAX:
                 self._r_broadcast = Replay(x, None, root, p, None, n, f[0])
             return x
@@ -406,10 +423,10 @@ class NCCLComm:
         if a is not x and kind == "cupy" and type(x) is self.cupy.ndarray:
             raise invalid("x", f"non-contiguous array (shape {x.shape}, strides {x.strides})",
                           "a C-contiguous array (broadcast fills x in place)")
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         p = self._ptr(a, kind)
         self.comm.broadcast(p, p, self._count(a, info), info.nccl, root, s)
-        return self._done(x, async_op, s, ("broadcast", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, x, async_op, s, ("broadcast", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce(self, x, op, root, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
@@ -418,10 +435,10 @@ class NCCLComm:
         a, info, kind = self._dev(x)
         nop = self._op(op, info)
         o = self._out(a, kind, out, a.shape)
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.reduce(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, nop,
                          root, s)
-        return self._done(o if self.rank == root else None, async_op, s, ("reduce", tuple(a.shape), a.dtype))
+        return self._done(st, o if self.rank == root else None, async_op, s, ("reduce", tuple(a.shape), a.dtype))
 
     def all_to_all(self, x, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
@@ -434,7 +451,7 @@ class NCCLComm:
         o = self._out(a, kind, out, a.shape)
         if o is a:
             raise invalid("out", "x (in place)", "a different array: all_to_all cannot run in place on NCCL")
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         cnt = self._count(a, info) // n
         nbytes = cnt * a.dtype.itemsize // info.nccl_scale if hasattr(a.dtype, "itemsize") \
             else cnt * a.element_size() // info.nccl_scale
@@ -447,16 +464,16 @@ class NCCLComm:
                 self.comm.recv(rp + j * nbytes, cnt, info.nccl, j, s)
         finally:
             nccl.groupEnd()
-        return self._done(o, async_op, s, ("all_to_all", tuple(a.shape), a.dtype))
+        return self._done(st, o, async_op, s, ("all_to_all", tuple(a.shape), a.dtype))
 
     def send(self, x, dst, tag, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.send(x, dst, tag, async_op, stream)
         dst = self.host._peer(dst, "dst")
         a, info, kind = self._dev(x)
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.send(self._ptr(a, kind), self._count(a, info), info.nccl, dst, s)
-        return self._done(None, async_op, s, ("send", tuple(a.shape), a.dtype))
+        return self._done(st, None, async_op, s, ("send", tuple(a.shape), a.dtype))
 
     def recv(self, out, src, tag, async_op, stream=None):
         if not is_gpu_array(out):
@@ -465,9 +482,9 @@ class NCCLComm:
         a, info, kind = self._dev(out, "out")
         if a is not out and kind == "cupy":
             raise invalid("out", "non-contiguous array", "a C-contiguous array")
-        s = self._stream(stream, kind)
+        s, st = self._stream(stream, kind)
         self.comm.recv(self._ptr(a, kind), self._count(a, info), info.nccl, src, s)
-        return self._done(out, async_op, s, ("recv", tuple(a.shape), a.dtype))
+        return self._done(st, out, async_op, s, ("recv", tuple(a.shape), a.dtype))
 
     def barrier(self, async_op=False):
         return self.host.barrier(async_op)

@@ -792,7 +792,8 @@ def run_buckets(b, progress):
         red = Reducer(grads, mean=False)
         nb = len(red.buckets) if hasattr(red, "buckets") and not callable(red.buckets) else \
             (len(red.buckets()) if hasattr(red, "buckets") else None)
-        modes.append(("buckets (default)", nb, functools.partial(red.reduce_, grads), None))
+        modes.append(("buckets reducer(grads)", nb, functools.partial(red, grads), None))  # MindSpore's usage
+        modes.append(("buckets reduce_(grads)", nb, functools.partial(red.reduce_, grads), None))
         if hasattr(red, "grad_views"):
             views = red.grad_views()
             modes.append(("buckets (grad_views)", nb, functools.partial(red.reduce_, views), None))
