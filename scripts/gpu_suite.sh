@@ -77,6 +77,8 @@ fi
 B=("$PY" -m mpicomm.tools.bench --backend nccl --compare)
 if want profile; then
     step "profile-call-np$NGPU" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/profile_call.py --iters 20000
+    step "profile-call-bench-like" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/profile_call.py --iters 20000 \
+        --stream nonblocking --op str
 fi
 if want bench8 || want bench; then
     for c in all_reduce all_gather reduce_scatter broadcast; do

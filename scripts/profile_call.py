@@ -22,6 +22,11 @@ def main():
     ap.add_argument("--count", type=int, default=2, help="float32 elements per rank (default 2 = 8 bytes)")
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--stream", choices=["null", "nonblocking"], default="null",
+                    help="NCCL: work on CuPy's null stream, or on a non-blocking stream made current "
+                         "with Stream.use() as mpicomm-bench does")
+    ap.add_argument("--op", choices=["enum", "str"], default="enum",
+                    help="pass the op as mpicomm.ReduceOp.SUM or as the string 'sum' (as mpicomm-bench does)")
     a = ap.parse_args()
     mpicomm.init()
     g = CTX.world
@@ -31,6 +36,8 @@ def main():
     if nccl:
         import cupy as xp
 
+        if a.stream == "nonblocking":
+            xp.cuda.Stream(non_blocking=True).use()
         stream = xp.cuda.get_current_stream()
         sync = stream.synchronize
     else:
@@ -41,7 +48,7 @@ def main():
     xs = xp.asarray(rng.standard_normal(c * n).astype(np.float32))
     o = xp.empty(c, np.float32)
     og = xp.empty(c * n, np.float32)
-    SUM = mpicomm.ReduceOp.SUM
+    SUM = mpicomm.ReduceOp.SUM if a.op == "enum" else "sum"
     impl, h = g.impl, CTX.hooks
     p = functools.partial
 
@@ -80,11 +87,13 @@ def main():
 
     codes = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4}
     layers = {
-        "all_reduce": (p(impl.all_reduce, x, SUM, o, False, None), (x, SUM, o, False, None),
+        "all_reduce": (p(impl.all_reduce, x, mpicomm.ReduceOp.SUM, o, False, None),
+                       (x, mpicomm.ReduceOp.SUM, o, False, None),
                        p(mpicomm.all_reduce, x, SUM, o)),
         "all_gather": (p(impl.all_gather, x, og, False, None), (x, og, False, None),
                        p(mpicomm.all_gather, x, og)),
-        "reduce_scatter": (p(impl.reduce_scatter, xs, SUM, o, False, None), (xs, SUM, o, False, None),
+        "reduce_scatter": (p(impl.reduce_scatter, xs, mpicomm.ReduceOp.SUM, o, False, None),
+                           (xs, mpicomm.ReduceOp.SUM, o, False, None),
                            p(mpicomm.reduce_scatter, xs, SUM, o)),
         "broadcast": (p(impl.broadcast, o, 0, False, None), (o, 0, False, None),
                       p(mpicomm.broadcast, o, 0)),
@@ -114,8 +123,9 @@ def main():
         rows.append((name, r))
     piece_t = {k: timeit(f, a.iters * 5) for k, f in pieces.items()}
     if rank == 0:
-        print(f"# mpicomm.scripts.profile_call: backend {CTX.backend_name}, {n} ranks, {c} float32 "
-              f"({4 * c} bytes) per rank, us per call (max over ranks of the min over {a.rounds} rounds)")
+        print(f"# scripts/profile_call.py: backend {CTX.backend_name}, {n} ranks, {c} float32 "
+              f"({4 * c} bytes) per rank, op as {a.op}, stream {a.stream if nccl else '-'}, "
+              f"us per call (max over ranks of the min over {a.rounds} rounds)")
         print("| collective | raw | backend method | + hooks | front function | added by backend | "
               "by hooks | by front | total added |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
