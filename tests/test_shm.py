@@ -78,7 +78,7 @@ def groups(comm):
     for name in mine:
         _shm.configure(impl(name))
         if impl(name).shm is not None:
-            impl(name).shm.piece = _shm._piece_bytes(crowded=impl(name).shm.crowded)
+            impl(name).shm.set_piece()
 
 
 def small_pieces(group):
@@ -87,7 +87,7 @@ def small_pieces(group):
     if m.size > 1 and m.shm is None:
         _shm._group(m)
     if m.shm is not None:
-        m.shm.piece = PIECE
+        m.shm.set_piece(PIECE)
     return m
 
 
@@ -293,7 +293,7 @@ def test_window_grows_and_results_stay_right(groups):
         if m.shm is None:
             continue
         g = m.shm
-        g.piece = 1 << 30                    # one piece per message: the window must grow
+        g.set_piece(1 << 30)                 # one piece per message: the window must grow
         try:
             grows = g.grows
             for count in (20_000, 50_000, 120_000, 20_000, 120_000):
@@ -304,7 +304,7 @@ def test_window_grows_and_results_stay_right(groups):
             assert g.grows > grows
             assert g.seg >= 120_000 * 4
         finally:
-            g.piece = PIECE
+            g.set_piece(PIECE)
 
 
 def test_both_ways_of_waiting(groups):
@@ -330,6 +330,33 @@ def test_both_ways_of_waiting(groups):
                 assert_close(y, reduce_np([a[:k * n] for a in arrs], ReduceOp.SUM)[r * k:(r + 1) * k])
         finally:
             g.crowded = crowded
+
+
+def test_piece_tuner_agrees_and_keeps_results(groups):
+    """all_reduce's piece tuner (cores enough for the ranks): every rank uses the same
+    piece at every call, results stay exact whichever piece runs, and both are tried."""
+    for group in groups:
+        m = small_pieces(group)
+        if m.shm is None:
+            continue
+        g = m.shm
+        try:
+            g.cands, g.piece = (PIECE, 4 * PIECE), PIECE
+            tc, used = g.tc, set()
+            for i in range(2 * _shm.EXPLORE + 4):
+                used.add(g.piece)
+                x, arrs = rank_data(group, f"tune{i % 3}", (20_000 + 1000 * (i % 3),), np.int32)
+                assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+                pieces = g.comm.allgather(g.piece)
+                assert len(set(pieces)) == 1 and pieces[0] in g.cands, pieces
+            assert g.tc == tc + 2 * _shm.EXPLORE + 4
+            assert used == set(g.cands)
+            # a message of one small piece is not tuned
+            x, arrs = rank_data(group, "tune-small", (100,), np.int32)
+            assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
+            assert g.tc == tc + 2 * _shm.EXPLORE + 4
+        finally:
+            g.set_piece(PIECE)
 
 
 def test_real_threshold(groups):
@@ -420,5 +447,14 @@ def test_threshold_settings():
     assert _shm._piece_bytes({}) == _shm.DEFAULT_PIECE
     assert _shm._piece_bytes({}, crowded=True) == _shm.CROWDED_PIECE
     assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "1M"}, crowded=True) == 1 << 20
+    g = _shm.ShmGroup.__new__(_shm.ShmGroup)
+    g.crowded = False
+    g.set_piece(env={})
+    assert g.cands == _shm.AUTO_PIECES and g.piece == _shm.AUTO_PIECES[0]
+    g.set_piece(env={"MPICOMM_SHM_PIECE": "4M"})
+    assert g.cands is None and g.piece == 4 << 20
+    g.crowded = True
+    g.set_piece(env={})
+    assert g.cands is None and g.piece == _shm.CROWDED_PIECE
     with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
         _shm._piece_bytes({"MPICOMM_SHM_PIECE": "x"})

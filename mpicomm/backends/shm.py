@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import sys
+from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
@@ -66,6 +67,12 @@ DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
                      "reduce_scatter": 256 << 10, "broadcast": NEVER}
 DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
 CROWDED_PIECE = 8 << 20   # the same when the group's ranks outnumber their cores
+# Without MPICOMM_SHM_PIECE and with a core per rank, all_reduce chooses between these
+# pieces as it runs (ShmGroup._tune): on the 2-core VM 2 MiB is fastest most of the time
+# but, in spells of seconds, 2-3x slower than 8 MiB (docs/BENCHMARKS.md).
+AUTO_PIECES = (2 << 20, 8 << 20)
+EXPLORE = 16              # tuned calls after which the piece not in use is timed again
+_HDR = 64                 # bytes after the two buffers of a segment: the tuner's two slots
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
@@ -141,7 +148,10 @@ class ShmGroup:
         self.rank = node.Get_rank()
         self.size = node.Get_size()
         self.crowded = crowded            # more ranks than cores: barriers yield the core
-        self.piece = piece                # cap on the bytes of one buffer of a segment
+        self.set_piece(piece)             # self.piece: cap on the bytes of one buffer
+        self.hdr = None                   # rank 0's two tuner slots (int64), in the window
+        self.tc = 0                       # tuned all_reduce calls so far (same on all ranks)
+        self._stats = {}                  # rank 0: size class -> {piece: [s/byte, tc]}
         self.win = None
         self.seg = 0                      # bytes of one buffer of one rank's segment
         self.bufs = None                  # bufs[b][j]: buffer b of rank j's segment (uint8)
@@ -175,7 +185,17 @@ class ShmGroup:
         crowded = comm.Get_size() > len(set().union(*node.allgather(cpus)))
         # the window is allocated at the first collective (a failure there is agreed on
         # and turns the path off, as here)
-        return cls(node, _piece_bytes(crowded=crowded) if piece is None else piece, crowded)
+        return cls(node, piece, crowded)
+
+    def set_piece(self, piece=None, env=os.environ):
+        """Fix the piece (bytes), or with None the default: MPICOMM_SHM_PIECE if set, else
+        CROWDED_PIECE when crowded, else tuned among AUTO_PIECES by all_reduce. Call it
+        alike on every rank."""
+        if piece is None and not self.crowded and not env.get("MPICOMM_SHM_PIECE", "").strip():
+            self.cands, self.piece = AUTO_PIECES, AUTO_PIECES[0]
+        else:
+            self.cands = None
+            self.piece = _piece_bytes(env, self.crowded) if piece is None else piece
 
     def _grow(self, need):
         """Make every buffer at least ``need`` bytes (collective; all ranks pass the
@@ -185,11 +205,13 @@ class ShmGroup:
         # pipelined: one allocation of a whole piece (every collective's need fits it);
         # one piece per message: grow by at least 2x
         target = self.piece if self.piece < _WHOLE else 2 * self.seg
+        if self.cands:
+            target = max(self.cands)      # any candidate fits, whichever the tuner picks
         seg = _round(max(need, target), 4096)
         self._free_win()
         win, err = None, None
         try:
-            win = MPI.Win.Allocate_shared(2 * seg, 1, MPI.INFO_NULL, self.comm)
+            win = MPI.Win.Allocate_shared(2 * seg + _HDR, 1, MPI.INFO_NULL, self.comm)
         except MPI.Exception as e:
             err = e
         if not self.comm.allreduce(err is None, op=MPI.LAND):
@@ -200,15 +222,16 @@ class ShmGroup:
         views = []
         for j in range(self.size):
             buf, _ = win.Shared_query(j)
-            views.append(np.frombuffer(buf, np.uint8, 2 * seg))
-        self.bufs = [[v[:seg] for v in views], [v[seg:] for v in views]]
+            views.append(np.frombuffer(buf, np.uint8, 2 * seg + _HDR))
+        self.bufs = [[v[:seg] for v in views], [v[seg:2 * seg] for v in views]]
+        self.hdr = views[0][2 * seg:2 * seg + 16].view(np.int64)
         self.win, self.seg = win, seg
         self.grows += 1
         return True
 
     def _free_win(self):
         if self.win is not None:
-            self.bufs = None
+            self.bufs = self.hdr = None
             self.win.Unlock_all()
             self.win.Free()            # collective, and a barrier: no peer reads it after
             self.win, self.seg = None, 0
@@ -253,7 +276,59 @@ class ShmGroup:
         q = _round(-(-min(pe, c) // n), a)                           # elements of a slot
         if not self._grow(n * q * isz):
             return None
-        return self._all_reduce(x.reshape(-1), o.reshape(-1), info, op, pe, isz)
+        gen = self._all_reduce(x.reshape(-1), o.reshape(-1), info, op, pe, isz)
+        if self.cands and x.nbytes > self.cands[0]:
+            return self._tune(gen, x.nbytes)
+        return gen
+
+    # ----------------------------------------------------------- piece tuner
+    def _tune(self, gen, nbytes):
+        """Run all_reduce generator ``gen`` and agree on the piece of the next tuned call.
+
+        Rank 0 times every tuned call (a message of more than one small piece) per size
+        class (power of two) and piece, and picks the piece of the next tuned call: the
+        one with the lower recent time per byte, or the other one when it has not been
+        timed for EXPLORE calls. It writes that choice into slot (tc + 1) & 1 of its
+        header before its first barrier of call tc; every rank reads it after that
+        barrier and uses it from call tc + 1 on. Rank 0 writes that slot again at call
+        tc + 2, after call tc + 1's first barrier, which every rank reaches only after
+        reading. The piece never changes results (each element is reduced over ranks
+        0..n-1 in that order whatever the piece), only the speed.
+        """
+        t0 = perf_counter()
+        cls_ = nbytes.bit_length()
+        slot = (self.tc + 1) & 1
+        hdr = self.hdr
+        if self.rank == 0:
+            hdr[slot] = self._decide(cls_)
+        nxt = None
+        for _ in gen:
+            yield
+            if nxt is None:
+                nxt = int(hdr[slot])
+        if self.rank == 0:
+            self._record(cls_, (perf_counter() - t0) / nbytes)
+        self.tc += 1
+        if nxt in self.cands:
+            self.piece = nxt
+
+    def _decide(self, cls_):
+        """Rank 0: the piece for tuned call tc + 1 (stats of calls up to tc - 1)."""
+        st = self._stats.setdefault(cls_, {})   # piece -> [s/byte, call, to be replaced]
+        for p in self.cands:
+            e = st.get(p)
+            if e is None or self.tc - e[1] >= EXPLORE:
+                # never timed, or not lately: time it at call tc + 1
+                st[p] = [e[0] if e else float("inf"), self.tc + 1, True]
+                return p
+        return min(self.cands, key=lambda p: st[p][0])
+
+    def _record(self, cls_, t):
+        st = self._stats.setdefault(cls_, {})
+        e = st.get(self.piece)
+        if e is not None and not e[2] and self.tc - e[1] <= 2:
+            t = 0.5 * (e[0] + t)          # smooth a run of calls; a stale time is replaced
+        st[self.piece] = [t, self.tc, False]
 
     def _all_reduce(self, xf, of, info, op, pe, isz):
         n, r = self.size, self.rank
