@@ -119,7 +119,8 @@ class Hooks:
         self.x = None                    # the input of the collective in progress (diagnosis only)
         self._rows = {}                  # Group -> base index of its row in the window
         self._names = {}                 # group hash -> name (every rank knows every group's name)
-        self._gpu = {}                   # row base -> (seq, code, stream object, shape, dtype, group) of the last NCCL call
+        self._gpu = {}                   # row base -> (seq, code, stream object, input, group) of the last NCCL call
+                                         # (held until the watchdog sees it done: about a second)
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
         self._win = None
@@ -207,7 +208,7 @@ class Hooks:
             if s is not None:  # None: a host array, which took the MPI path
                 impl.last_stream = None
                 if x is not None:  # (a barrier may find the stream of an unwatched send/recv)
-                    self._gpu[b] = (seq, code, s, x.shape, x.dtype, g)
+                    self._gpu[b] = (seq, code, s, x, g)
         return r
 
     def _row(self, g):
@@ -337,10 +338,7 @@ class Hooks:
                     self._gpu.pop(b, None)
                     events.pop(b, None)
             elif now - t0 >= self.timeout:
-                shape, dtype = ent[3], ent[4]
-                desc = f"shape {tuple(shape)}, dtype {str(dtype).replace('torch.', '')}" \
-                    if shape is not None else "no array"
-                self._fire(ent[5], seq, _NAMES[ent[1]], desc, now - t0, gpu=True)
+                self._fire(ent[4], seq, _NAMES[ent[1]], _desc(ent[3]).replace("torch.", ""), now - t0, gpu=True)
                 return
 
     def _fire(self, g, seq, name, desc, waited, gpu=False):
