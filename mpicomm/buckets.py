@@ -72,6 +72,15 @@ class _Numpy:
         np.concatenate([a.reshape(-1) for a in arrays], out=flat)
 
 
+class _CudaNames(dict):
+    def __missing__(self, i):
+        v = self[i] = f"cuda:{i}"
+        return v
+
+
+_CUDA_NAMES = _CudaNames()  # device id -> "cuda:N", made once (spec() runs once per gradient per step)
+
+
 class _Cupy(_Numpy):
     name = "cupy"
     gpu = True
@@ -84,7 +93,7 @@ class _Cupy(_Numpy):
 
     @staticmethod
     def spec(a):
-        return tuple(a.shape), a.dtype, f"cuda:{a.device.id}", a.nbytes
+        return a.shape, a.dtype, _CUDA_NAMES[a.data.device_id], a.nbytes
 
     @staticmethod
     def half(which):
@@ -487,14 +496,16 @@ class DistributedGradReducer:
     # ----------------------------------------------------------- checks
     def _check_grad(self, i, g, arg):
         fam, shape, dt, dev, _ = self._specs[i]
-        if g is self._views[i]:
+        v = self._views[i]
+        if g is v:
             return
-        try:
-            gfam = _family(g, arg)
-        except InvalidArgumentError:
-            raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]") from None
-        if gfam is not fam:
-            raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]")
+        if type(g) is not type(v):  # (the same type as the view is the same family)
+            try:
+                gfam = _family(g, arg)
+            except InvalidArgumentError:
+                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]") from None
+            if gfam is not fam:
+                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]")
         gshape, gdt, gdev, _ = fam.spec(g)
         if gshape != shape:
             raise invalid(f"{arg}.shape", gshape, f"{shape}, the shape of parameters[{i}]")
