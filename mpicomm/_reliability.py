@@ -119,8 +119,6 @@ class Hooks:
         self.x = None                    # the input of the collective in progress (diagnosis only)
         self._rows = {}                  # Group -> base index of its row in the window
         self._names = {}                 # group hash -> name (every rank knows every group's name)
-        self._gpu = {}                   # row base -> (seq, code, stream object, input, group) of the last NCCL call
-                                         # (held until the watchdog sees it done: about a second)
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
         self._win = None
@@ -144,7 +142,7 @@ class Hooks:
         self._row(ctx.world)
         if self.debug:
             self._side[ctx.world] = ctx.world.mpi_comm.Dup()
-        if self.debug or self.nccl:
+        if self.debug:
             self.run = self.run_checked
 
     # ------------------------------------------------------------ hot path
@@ -175,8 +173,8 @@ class Hooks:
         return r
 
     def run_checked(self, g, code, x, async_op, fn, args):
-        """run() for debug mode and NCCL: compare arguments first, note the GPU stream after."""
-        if self._fired:  # the watchdog is aborting the job: NCCL calls would not fail by themselves
+        """run() for debug mode: compare the arguments across the group first."""
+        if self._fired:  # the watchdog is aborting the job
             from .errors import CommunicationError
 
             raise CommunicationError(f"{_NAMES[code]} on group {g.name!r}: the job is being aborted "
@@ -202,13 +200,6 @@ class Hooks:
         self.x = None
         if async_op and r is not None:
             r._what = r._what[:3] + (g, seq)
-        if self.nccl:  # note the GPU stream for the watchdog (inline: the hot path of NCCL)
-            impl = g.impl
-            s = impl.last_stream
-            if s is not None:  # None: a host array, which took the MPI path
-                impl.last_stream = None
-                if x is not None:  # (a barrier may find the stream of an unwatched send/recv)
-                    self._gpu[b] = (seq, code, s, x, g)
         return r
 
     def _row(self, g):
@@ -237,7 +228,6 @@ class Hooks:
     def group_destroyed(self, g):
         b = self._rows.pop(g, None)
         g.row = None
-        self._gpu.pop(b, None)
         if b is not None and b - _ENTERED != _HDR + (_ROWS - 1) * _F:
             self._m[b - _ENTERED + _GHASH] = 0
             self._free.append(b - _ENTERED)
@@ -303,7 +293,7 @@ class Hooks:
                     return
             else:
                 seen.pop(b, None)
-        if self._gpu or events:
+        if self.nccl:
             self._tick_gpu(events, now)
         if self._win is not None:
             try:  # let a transport that emulates RMA with messages make progress for peers
@@ -314,31 +304,44 @@ class Hooks:
                 pass
 
     def _tick_gpu(self, events, now):
+        """NCCL calls return at once: watch the GPU side of each group's last collective.
+
+        The backend keeps the stream (object) and input of its last watched call. When a
+        group's done marker has moved since the last event, record an event on that stream;
+        an event still pending after the timeout is a hang on the GPU.
+        """
         import cupy
 
-        for b, entry in list(self._gpu.items()):
+        m = self._m
+        for g, b in list(self._rows.items()):
+            impl = g.impl
+            st = getattr(impl, "last_stream", None)
+            if st is None:  # no GPU collective on this group yet (or an MPI group)
+                continue
+            d = m[b + 1]
             ev = events.get(b)
-            if ev is None or ev[0] != entry[0]:
+            if ev is None or ev[0] != d:
                 if ev is not None and not ev[1].done:
                     pass  # the earlier event is still pending: judge by it first
                 else:
+                    x = impl.last_x
                     e = cupy.cuda.Event(block=False, disable_timing=True)
-                    st = entry[2]  # a CuPy or torch stream object, alive as long as the entry
                     p = getattr(st, "ptr", None)
                     try:
                         cupy.cuda.runtime.eventRecord(e.ptr, p if p is not None else st.cuda_stream)
                     except Exception:
-                        self._gpu.pop(b, None)
                         continue
-                    events[b] = (entry[0], e, now, entry)
+                    events[b] = (d, e, now, x, g)
                     continue
-            seq, e, t0, ent = events[b]
+            d0, e, t0, x, g0 = events[b]
             if e.done:
-                if ent is self._gpu.get(b):
-                    self._gpu.pop(b, None)
-                    events.pop(b, None)
+                if x is not None:
+                    if impl.last_x is x:  # done: release the input (a race here only loses a description)
+                        impl.last_x = None
+                    events[b] = (d0, e, t0, None, g0)
             elif now - t0 >= self.timeout:
-                self._fire(ent[4], seq, _NAMES[ent[1]], _desc(ent[3]).replace("torch.", ""), now - t0, gpu=True)
+                self._fire(g0, d0 >> 4, _NAMES.get(d0 & 15, "?"), _desc(x).replace("torch.", ""), now - t0,
+                           gpu=True)
                 return
 
     def _fire(self, g, seq, name, desc, waited, gpu=False):

@@ -363,13 +363,18 @@ def test_real_threshold(groups):
     """With the default thresholds: just below stays on Open MPI, just above takes the path."""
     for group in groups:
         m = impl(group)
+        if m.size > 1:
+            _shm._group(m)                   # open: crowded or not is known from here on
         _shm.configure(m, {})
         try:
             t = m.shm_min_all_reduce
             if m.size == 1:
                 assert t == _shm.NEVER
                 continue
-            assert t == _shm.DEFAULT_THRESHOLD["all_reduce"]
+            if m.shm is not None and m.shm.crowded:
+                assert t == _shm.CROWDED_THRESHOLD
+            else:
+                assert t == _shm.DEFAULT_THRESHOLD["all_reduce"]
             for count, taken in ((t // 4 - 16, False), (t // 4 + 16, True)):
                 x, arrs = rank_data(group, f"real{count}", (count,), np.float32)
                 before = calls(group, "all_reduce")
@@ -436,6 +441,9 @@ def test_threshold_settings():
     assert t(2, {})["all_reduce"] == t(2, {})["reduce_scatter"] == 256 << 10
     assert set(t(2, {"MPICOMM_SHM_THRESHOLD": "1M"}).values()) == {1 << 20}
     assert set(t(1, {}).values()) == {_shm.NEVER}
+    assert t(4, {}, crowded=True)["all_reduce"] == _shm.CROWDED_THRESHOLD
+    assert t(4, {}, crowded=True)["reduce_scatter"] == _shm.DEFAULT_THRESHOLD["reduce_scatter"]
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "1M"}, crowded=True).values()) == {1 << 20}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "off"}).values()) == {_shm.NEVER}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "2M"}).values()) == {2 << 20}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "300000"}).values()) == {300000}

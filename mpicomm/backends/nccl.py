@@ -44,6 +44,21 @@ def as_uid(uid, like):
     return tuple(uid)
 
 
+class _Aborted:
+    """Stands for an aborted NCCL communicator: every call on it raises CommunicationError."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kw):
+            from ..errors import CommunicationError
+
+            raise CommunicationError("the NCCL communicator was aborted (a collective timed out or a rank "
+                                     "failed, and the job is being aborted: see the error above)")
+        return fail
+
+
+_ABORTED = _Aborted()
+
+
 class NCCLWork(Work):
     __slots__ = ("_event", "_post")
 
@@ -135,27 +150,30 @@ class NCCLComm:
         self._opcache = {}
         # the last plain blocking call of each collective on CuPy arrays, repeated without checks
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
-        # the stream object of the last collective, for the watchdog (mpicomm._reliability); the
-        # reference keeps the CUDA stream alive while the watchdog may record an event on it
+        # the stream object and input of the last collective, for the watchdog
+        # (mpicomm._reliability): it records an event on that stream once the call is made, and
+        # names the input's shape if the event never completes. The reference keeps the CUDA
+        # stream alive; the watchdog drops the input's reference once the event has completed.
         self.last_stream = None
+        self.last_x = None
 
     def _forget(self):
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
 
     def close(self):
         self._forget()
-        if self.comm is not None:
+        if self.comm is not None and self.comm is not _ABORTED:
             self.comm.destroy()
-            self.comm = None
+        self.comm = None
         self.host.close()
 
     def abort(self):
+        """Abort the NCCL communicator (the watchdog, or an error aborting the job): a later
+        call raises CommunicationError instead of waiting on a communicator that is gone."""
         self._forget()
-        if self.comm is not None:
-            try:
-                self.comm.abort()
-            finally:
-                self.comm = None
+        c, self.comm = self.comm, _ABORTED
+        if c is not None and c is not _ABORTED:
+            c.abort()
 
     # ----------------------------------------------------------- helpers
     def _dev(self, x, arg="x"):
@@ -267,8 +285,10 @@ class NCCLComm:
     def _count(self, a, info):
         return (a.size if hasattr(a, "size") and not callable(a.size) else a.numel()) * info.nccl_scale
 
-    def _done(self, st, result, async_op, s, what, post=None):
-        self.last_stream = st
+    def _done(self, st, x, result, async_op, s, what, post=None):
+        if st is not None:  # (None: a bare stream handle, or send/recv, which are not watched)
+            self.last_stream = st
+            self.last_x = x
         if async_op:
             what = what if what[1] is not None else (what[0], tuple(result.shape), result.dtype)
             ev = self.cupy.cuda.Event(block=False, disable_timing=True)
@@ -279,7 +299,7 @@ class NCCLComm:
         return result
 
     def _check_comm(self):
-        if self.comm is None:
+        if self.comm is None or self.comm is _ABORTED:
             from ..errors import CommunicationError
 
             raise CommunicationError("the NCCL communicator was aborted or closed")
@@ -297,6 +317,7 @@ class NCCLComm:
             else:
                 self.comm.allReduce(r.a, r.b, r.c, r.d, r.e, s)
             self.last_stream = st
+            self.last_x = x
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_reduce(x, op, out, async_op, stream)
@@ -309,6 +330,7 @@ class NCCLComm:
                 p, n = x.data.ptr, x.size * f[2]
                 self.comm.allReduce(p, o.data.ptr, n, f[0], f[1], s)
                 self.last_stream = st
+                self.last_x = x
                 if x.nbytes <= REPLAY_MAX:
                     self._r_all_reduce = Replay(x, out, op, p, o.data.ptr, n, f[0], f[1])
                 return o
@@ -317,7 +339,7 @@ class NCCLComm:
         o = self._out(a, kind, out, a.shape)
         s, st = self._stream(stream, kind)
         self.comm.allReduce(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, nop, s)
-        return self._done(st, o, async_op, s, ("all_reduce", None))
+        return self._done(st, a, o, async_op, s, ("all_reduce", None))
 
     def all_gather(self, x, out, async_op, stream=None):
         r = self._r_all_gather
@@ -331,6 +353,7 @@ class NCCLComm:
             else:
                 self.comm.allGather(r.a, r.b, r.c, r.d, s)
             self.last_stream = st
+            self.last_x = x
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.all_gather(x, out, async_op, stream)
@@ -344,6 +367,7 @@ class NCCLComm:
                 p, n = x.data.ptr, x.size * f[2]
                 self.comm.allGather(p, o.data.ptr, n, f[0], s)
                 self.last_stream = st
+                self.last_x = x
                 if o.nbytes <= REPLAY_MAX:
                     self._r_all_gather = Replay(x, out, None, p, o.data.ptr, n, f[0], shape)
                 return o
@@ -353,7 +377,7 @@ class NCCLComm:
         o = self._out(a, kind, out, shape)
         s, st = self._stream(stream, kind)
         self.comm.allGather(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, s)
-        return self._done(st, o, async_op, s, ("all_gather", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, a, o, async_op, s, ("all_gather", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce_scatter(self, x, op, out, async_op, stream=None):
         r = self._r_reduce_scatter
@@ -367,6 +391,7 @@ class NCCLComm:
             else:
                 self.comm.reduceScatter(r.a, r.b, r.c, r.d, r.e, s)
             self.last_stream = st
+            self.last_x = x
             return out
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.reduce_scatter(x, op, out, async_op, stream)
@@ -380,6 +405,7 @@ class NCCLComm:
                 p, n = x.data.ptr, o.size * f[2]
                 self.comm.reduceScatter(p, o.data.ptr, n, f[0], f[1], s)
                 self.last_stream = st
+                self.last_x = x
                 if x.nbytes <= REPLAY_MAX:
                     self._r_reduce_scatter = Replay(x, out, op, p, o.data.ptr, n, f[0], f[1], shape)
                 return o
@@ -394,7 +420,7 @@ class NCCLComm:
         s, st = self._stream(stream, kind)
         self.comm.reduceScatter(self._ptr(a, kind), self._ptr(o, kind), self._count(o, info),
                                 info.nccl, nop, s)
-        return self._done(st, o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, a, o, async_op, s, ("reduce_scatter", tuple(a.shape), a.dtype) if async_op else None)
 
     def broadcast(self, x, root, async_op, stream=None):
         r = self._r_broadcast
@@ -404,6 +430,7 @@ class NCCLComm:
             s = st.ptr
             self.comm.broadcast(r.a, r.a, r.c, r.d, root, s)
             self.last_stream = st
+            self.last_x = x
             return x
         if type(x) is not self._ndarray and not is_gpu_array(x):
             return self.host.broadcast(x, root, async_op, stream)
@@ -414,6 +441,7 @@ class NCCLComm:
             p, n = x.data.ptr, x.size * f[2]
             self.comm.broadcast(p, p, n, f[0], root, s)
             self.last_stream = st
+            self.last_x = x
             if x.nbytes <= REPLAY_MAX:
                 self._r_broadcast = Replay(x, None, root, p, None, n, f[0])
             return x
@@ -426,7 +454,7 @@ class NCCLComm:
         s, st = self._stream(stream, kind)
         p = self._ptr(a, kind)
         self.comm.broadcast(p, p, self._count(a, info), info.nccl, root, s)
-        return self._done(st, x, async_op, s, ("broadcast", tuple(a.shape), a.dtype) if async_op else None)
+        return self._done(st, a, x, async_op, s, ("broadcast", tuple(a.shape), a.dtype) if async_op else None)
 
     def reduce(self, x, op, root, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
@@ -438,7 +466,7 @@ class NCCLComm:
         s, st = self._stream(stream, kind)
         self.comm.reduce(self._ptr(a, kind), self._ptr(o, kind), self._count(a, info), info.nccl, nop,
                          root, s)
-        return self._done(st, o if self.rank == root else None, async_op, s, ("reduce", tuple(a.shape), a.dtype))
+        return self._done(st, a, o if self.rank == root else None, async_op, s, ("reduce", tuple(a.shape), a.dtype))
 
     def all_to_all(self, x, out, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
@@ -464,7 +492,7 @@ class NCCLComm:
                 self.comm.recv(rp + j * nbytes, cnt, info.nccl, j, s)
         finally:
             nccl.groupEnd()
-        return self._done(st, o, async_op, s, ("all_to_all", tuple(a.shape), a.dtype))
+        return self._done(st, a, o, async_op, s, ("all_to_all", tuple(a.shape), a.dtype))
 
     def send(self, x, dst, tag, async_op, stream=None):
         if type(x) is not self._ndarray and not is_gpu_array(x):
@@ -473,7 +501,7 @@ class NCCLComm:
         a, info, kind = self._dev(x)
         s, st = self._stream(stream, kind)
         self.comm.send(self._ptr(a, kind), self._count(a, info), info.nccl, dst, s)
-        return self._done(st, None, async_op, s, ("send", tuple(a.shape), a.dtype))
+        return self._done(None, a, None, async_op, s, ("send", tuple(a.shape), a.dtype))
 
     def recv(self, out, src, tag, async_op, stream=None):
         if not is_gpu_array(out):
@@ -484,7 +512,7 @@ class NCCLComm:
             raise invalid("out", "non-contiguous array", "a C-contiguous array")
         s, st = self._stream(stream, kind)
         self.comm.recv(self._ptr(a, kind), self._count(a, info), info.nccl, src, s)
-        return self._done(st, out, async_op, s, ("recv", tuple(a.shape), a.dtype))
+        return self._done(None, a, out, async_op, s, ("recv", tuple(a.shape), a.dtype))
 
     def barrier(self, async_op=False):
         return self.host.barrier(async_op)

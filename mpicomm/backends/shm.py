@@ -65,6 +65,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # MPICOMM_SHM_THRESHOLD turns them on.
 DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
                      "reduce_scatter": 256 << 10, "broadcast": NEVER}
+# all_reduce when the ranks outnumber their cores (4 ranks on 2 cores): measured even
+# with Open MPI at 256 KiB, ahead from 512 KiB
+CROWDED_THRESHOLD = 512 << 10
 DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
 CROWDED_PIECE = 8 << 20   # the same when the group's ranks outnumber their cores
 # Without MPICOMM_SHM_PIECE and with a core per rank, all_reduce chooses between these
@@ -97,25 +100,30 @@ def _bytes(name, text):
     return v
 
 
-def thresholds(size, env=os.environ):
+def thresholds(size, env=os.environ, crowded=False):
     """Per collective, the smallest message in bytes that takes the shared-memory path
     (NEVER for a group of one rank or with MPICOMM_SHM_THRESHOLD=off).
 
     MPICOMM_SHM_THRESHOLD=BYTES sets all four (0: every non-empty message), at
-    any group size.
+    any group size. ``crowded`` (the ranks outnumber their cores; known once the
+    group's window is open) raises the default all_reduce threshold.
     """
     v = env.get("MPICOMM_SHM_THRESHOLD", "").strip()
     if size < 2 or v.lower() in _OFF:
         return dict.fromkeys(COLLECTIVES, NEVER)
     if v == "":
-        return dict(DEFAULT_THRESHOLD)
+        t = dict(DEFAULT_THRESHOLD)
+        if crowded:
+            t["all_reduce"] = CROWDED_THRESHOLD
+        return t
     return dict.fromkeys(COLLECTIVES, max(1, _bytes("MPICOMM_SHM_THRESHOLD", v)))
 
 
 def configure(mc, env=os.environ):
     """Set the dispatch thresholds of an MPIComm ``mc`` (one attribute per collective,
     so that the small-message path pays one integer compare)."""
-    t = thresholds(mc.size, env)
+    g = getattr(mc, "shm", None)
+    t = thresholds(mc.size, env, g is not None and g.crowded)
     mc.shm_min_all_reduce = t["all_reduce"]
     mc.shm_min_all_gather = t["all_gather"]
     mc.shm_min_reduce_scatter = t["reduce_scatter"]
@@ -475,6 +483,8 @@ def _group(mc):
             disable(mc)
             return None
         mc.shm = g
+        if g.crowded and mc.shm_min_all_reduce == DEFAULT_THRESHOLD["all_reduce"]:
+            mc.shm_min_all_reduce = CROWDED_THRESHOLD    # the default, crowded
     return g
 
 
@@ -487,7 +497,7 @@ def _go(mc, g, name, gen, result, post, what):
 
 def all_reduce(mc, x, o, info, op, post):
     g = _group(mc)
-    if g is None:
+    if g is None or x.nbytes < mc.shm_min_all_reduce:   # (raised when the group opened)
         return None
     return _go(mc, g, "all_reduce", g.all_reduce(x, o, info, op), o, post,
                ("all_reduce", x.shape, x.dtype))
