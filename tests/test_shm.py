@@ -343,18 +343,18 @@ def test_piece_tuner_agrees_and_keeps_results(groups):
         try:
             g.cands, g.piece = (PIECE, 4 * PIECE), PIECE
             tc, used = g.tc, set()
-            for i in range(2 * _shm.EXPLORE + 4):
+            for i in range(8 * _shm.EXPLORE + 4):
                 used.add(g.piece)
                 x, arrs = rank_data(group, f"tune{i % 3}", (20_000 + 1000 * (i % 3),), np.int32)
                 assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
                 pieces = g.comm.allgather(g.piece)
                 assert len(set(pieces)) == 1 and pieces[0] in g.cands, pieces
-            assert g.tc == tc + 2 * _shm.EXPLORE + 4
+            assert g.tc == tc + 8 * _shm.EXPLORE + 4
             assert used == set(g.cands)
             # a message of one small piece is not tuned
             x, arrs = rank_data(group, "tune-small", (100,), np.int32)
             assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
-            assert g.tc == tc + 2 * _shm.EXPLORE + 4
+            assert g.tc == tc + 8 * _shm.EXPLORE + 4
         finally:
             g.set_piece(PIECE)
 

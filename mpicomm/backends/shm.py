@@ -75,6 +75,7 @@ CROWDED_PIECE = 8 << 20   # the same when the group's ranks outnumber their core
 # but, in spells of seconds, 2-3x slower than 8 MiB (docs/BENCHMARKS.md).
 AUTO_PIECES = (2 << 20, 8 << 20)
 EXPLORE = 16              # tuned calls after which the piece not in use is timed again
+                          # (4x as many when it was > 1.25x slower than the best)
 _HDR = 64                 # bytes after the two buffers of a segment: the tuner's two slots
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
@@ -296,12 +297,13 @@ class ShmGroup:
         Rank 0 times every tuned call (a message of more than one small piece) per size
         class (power of two) and piece, and picks the piece of the next tuned call: the
         one with the lower recent time per byte, or the other one when it has not been
-        timed for EXPLORE calls. It writes that choice into slot (tc + 1) & 1 of its
-        header before its first barrier of call tc; every rank reads it after that
-        barrier and uses it from call tc + 1 on. Rank 0 writes that slot again at call
-        tc + 2, after call tc + 1's first barrier, which every rank reaches only after
-        reading. The piece never changes results (each element is reduced over ranks
-        0..n-1 in that order whatever the piece), only the speed.
+        timed for EXPLORE calls (4 * EXPLORE if it was > 1.25x slower). It writes that
+        choice into slot (tc + 1) & 1 of its header before its first barrier of call tc;
+        every rank reads it after that barrier and uses it from call tc + 1 on. Rank 0
+        writes that slot again at call tc + 2, after call tc + 1's first barrier, which
+        every rank reaches only after reading. The piece never changes results (each
+        element is reduced over ranks 0..n-1 in that order whatever the piece), only
+        the speed.
         """
         t0 = perf_counter()
         cls_ = nbytes.bit_length()
@@ -323,9 +325,11 @@ class ShmGroup:
     def _decide(self, cls_):
         """Rank 0: the piece for tuned call tc + 1 (stats of calls up to tc - 1)."""
         st = self._stats.setdefault(cls_, {})   # piece -> [s/byte, call, to be replaced]
+        best = min((st[p][0] for p in self.cands if p in st), default=0.0)
         for p in self.cands:
             e = st.get(p)
-            if e is None or self.tc - e[1] >= EXPLORE:
+            # a piece last timed much slower than the best is timed again 4x less often
+            if e is None or self.tc - e[1] >= (EXPLORE if e[0] <= 1.25 * best else 4 * EXPLORE):
                 # never timed, or not lately: time it at call tc + 1
                 st[p] = [e[0] if e else float("inf"), self.tc + 1, True]
                 return p
