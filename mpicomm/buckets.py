@@ -71,6 +71,12 @@ class _Numpy:
         """Copy ``arrays`` one after the other into ``flat`` (one call, not one per array)."""
         np.concatenate([a.reshape(-1) for a in arrays], out=flat)
 
+    @classmethod
+    def copy_out(cls, dsts, srcs):
+        """dsts[k][...] = srcs[k] for every k (the same shapes and dtypes)."""
+        for d, v in zip(dsts, srcs):
+            cls.copy(d, v)
+
 
 class _CudaNames(dict):
     def __missing__(self, i):
@@ -115,6 +121,20 @@ class _Cupy(_Numpy):
     @classmethod
     def pack(cls, flat, arrays):
         cls._cp().concatenate([a.reshape(-1) for a in arrays], out=flat)  # one kernel for many arrays
+
+    @classmethod
+    def copy_out(cls, dsts, srcs):
+        # cudaMemcpyAsync on the current stream costs the host a few microseconds a call,
+        # a CuPy copy kernel about ten
+        cp = cls._cp()
+        rt = cp.cuda.runtime
+        s = cp.cuda.get_current_stream().ptr
+        d2d = rt.memcpyDeviceToDevice
+        for d, v in zip(dsts, srcs):
+            if d.flags.c_contiguous and d.dtype == v.dtype:
+                rt.memcpyAsync(d.data.ptr, v.data.ptr, v.nbytes, d2d, s)
+            else:
+                cls.copy(d, v)
 
     @classmethod
     def scale(cls, dst, src, n):
@@ -196,6 +216,17 @@ class _Torch:
         t = cls._t()
         with t.no_grad():
             t.cat([a.detach().reshape(-1) for a in arrays], out=flat)
+
+    @classmethod
+    def copy_out(cls, dsts, srcs):
+        t = cls._t()
+        with t.no_grad():
+            fe = getattr(t, "_foreach_copy_", None)  # one multi-tensor kernel (PyTorch >= 2.2)
+            if fe is not None:
+                fe(list(dsts), list(srcs))
+            else:
+                for d, v in zip(dsts, srcs):
+                    d.copy_(v)
 
     @classmethod
     def new_stream(cls, device):
@@ -649,10 +680,10 @@ class DistributedGradReducer:
     def reduce_(self, grads):
         """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
         self._run(grads)
-        for i, g in enumerate(grads):
-            v = self._views[i]
-            if g is not v:
-                self._specs[i][0].copy(g, v)
+        for b in self._buckets:
+            pairs = [(grads[i], v) for i, v in zip(b.indices, b.views) if grads[i] is not v]
+            if pairs:
+                b.fam.copy_out([d for d, _ in pairs], [v for _, v in pairs])
         return grads
 
     def mark_ready(self, i, grad=None):

@@ -443,7 +443,7 @@ def _family(which):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["cupy", "torch"])
 @pytest.mark.parametrize("plan", ["default", "per_tensor", "small_cap", "fusion"])
-@pytest.mark.parametrize("mode", ["call", "views", "overlap"])
+@pytest.mark.parametrize("mode", ["call", "reduce_", "views", "overlap"])
 def test_gpu_reducer(nccl, which, plan, mode, request):
     to, host = _family(which)
     n, r = nccl.get_group_size(), nccl.get_rank()
@@ -456,6 +456,9 @@ def test_gpu_reducer(nccl, which, plan, mode, request):
         grads = [to(g) for g in grads_of(r, name, SHAPES, dtypes)]
         if mode == "call":
             out = red(grads)
+        elif mode == "reduce_":
+            out = red.reduce_(grads)
+            assert out is grads
         elif mode == "views":
             views = red.grad_views()
             assert type(views[0]) is type(grads[0])
