@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -90,6 +90,12 @@ if want buckets; then
     step "gpu-buckets-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py tests/test_train.py
     step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
         --json "$RES/bench_buckets.json"
+fi
+if want sweep; then  # the large sizes only, where the ">= 98% of raw" target applies
+    for c in all_reduce all_gather reduce_scatter broadcast; do
+        step "sweep-$c" 200 "${MPI[@]}" "$NGPU" "${B[@]}" --coll "$c" -b 1M -e 1G -f 4 -n 0 --target-time 0.25 \
+            -w 5 --rounds 4 --json "$RES/sweep_$c.json"
+    done
 fi
 if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
     for c in all_reduce all_gather reduce_scatter broadcast; do
