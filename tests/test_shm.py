@@ -453,8 +453,6 @@ def test_threshold_settings():
             t(2, {"MPICOMM_SHM_THRESHOLD": bad})
     assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "8M"}) == 8 << 20
     assert _shm._piece_bytes({}) == _shm.DEFAULT_PIECE
-    assert _shm._piece_bytes({}, crowded=True) == _shm.CROWDED_PIECE
-    assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "1M"}, crowded=True) == 1 << 20
     g = _shm.ShmGroup.__new__(_shm.ShmGroup)
     g.crowded = False
     g.set_piece(env={})
@@ -463,6 +461,8 @@ def test_threshold_settings():
     assert g.cands is None and g.piece == 4 << 20
     g.crowded = True
     g.set_piece(env={})
-    assert g.cands is None and g.piece == _shm.CROWDED_PIECE
+    assert g.cands == _shm.AUTO_PIECES and g.piece == _shm.AUTO_PIECES[0]
+    g.set_piece(8192)
+    assert g.cands is None and g.piece == 8192
     with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
         _shm._piece_bytes({"MPICOMM_SHM_PIECE": "x"})

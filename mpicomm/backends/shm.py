@@ -16,14 +16,17 @@ memory directly:
   peers' segments into its output.
 - broadcast: root copies into its segment; barrier; the others copy out.
 
-Messages larger than a piece (MPICOMM_SHM_PIECE; default 2 MiB of segment, 8 MiB when
-the group's ranks outnumber the cores they may run on) are done piece by piece,
-alternating between two buffers in every segment, so the working set stays in the
-last-level cache. Every piece has at least one barrier, and a piece
-reads peers' buffer b only after its own barrier, so piece k+2 (same buffer) may
-overwrite it only after every peer has passed piece k+1's barrier, that is, finished
-reading piece k. The piece counter runs on across calls and collectives alike, so
-the same holds from one collective to the next.
+Messages larger than a piece (bytes of one segment buffer) are done piece by piece,
+alternating between two buffers in every segment. all_reduce picks the piece, 2 or 8
+MiB, by timing its calls (ShmGroup._tune; MPICOMM_SHM_PIECE fixes it): 2 MiB pieces
+keep the working set in the caches and are the fastest most of the time, but on the
+2-core VM they turn 2-3x slower for seconds at a time (cause not found; the phases that
+write the window slow down), and then 8 MiB pieces are faster (docs/BENCHMARKS.md).
+Every piece has at least one barrier, and a piece reads peers' buffer b only after its
+own barrier, so piece k+2 (same buffer) may overwrite it only after every peer has
+passed piece k+1's barrier, that is, finished reading piece k. The piece counter runs
+on across calls and collectives alike, so the same holds from one collective to the
+next.
 
 Synchronisation is ``Win.Sync`` (memory barrier; the window is in a passive-target
 epoch from ``Lock_all``) around a barrier of the window's own communicator, so it
@@ -31,8 +34,7 @@ never matches mpicomm's other traffic on the group. With a core per rank that is
 ``Barrier`` (Open MPI spins: the fastest wake-up). When the ranks outnumber their cores
 ("crowded": e.g. 4 ranks on 2 cores) every barrier needs every rank scheduled, so a
 spinning waiter only delays the rank it waits for: there the barrier is ``Ibarrier``
-polled with ``Test`` and ``os.sched_yield()`` in between, and the pieces are larger
-(8 MiB: a quarter of the barriers). Both were measured (docs/BENCHMARKS.md).
+polled with ``Test`` and ``os.sched_yield()`` in between (docs/BENCHMARKS.md).
 
 Results: integers exactly as the ordinary path (wrap-around arithmetic is
 associative). Floats are reduced in the fixed order rank 0, 1, ..., n-1, once per
@@ -68,12 +70,12 @@ DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
 # all_reduce when the ranks outnumber their cores (4 ranks on 2 cores): measured even
 # with Open MPI at 256 KiB, ahead from 512 KiB
 CROWDED_THRESHOLD = 512 << 10
-DEFAULT_PIECE = 2 << 20   # bytes of one buffer of a segment; measured (see BENCHMARKS.md)
-CROWDED_PIECE = 8 << 20   # the same when the group's ranks outnumber their cores
-# Without MPICOMM_SHM_PIECE and with a core per rank, all_reduce chooses between these
-# pieces as it runs (ShmGroup._tune): on the 2-core VM 2 MiB is fastest most of the time
-# but, in spells of seconds, 2-3x slower than 8 MiB (docs/BENCHMARKS.md).
+# Without MPICOMM_SHM_PIECE, all_reduce chooses between these pieces (bytes of one buffer
+# of a segment) as it runs (ShmGroup._tune): on the 2-core VM 2 MiB is fastest most of
+# the time at 2 ranks but, in spells of seconds, 2-3x slower than 8 MiB; at 4 ranks on 2
+# cores 2 MiB won at 16 MiB and 8 MiB from 32 MiB (docs/BENCHMARKS.md).
 AUTO_PIECES = (2 << 20, 8 << 20)
+DEFAULT_PIECE = AUTO_PIECES[0]   # the piece before any tuning
 EXPLORE = 16              # tuned calls after which the piece not in use is timed again
                           # (4x as many when it was > 1.25x slower than the best)
 _HDR = 64                 # bytes after the two buffers of a segment: the tuner's two slots
@@ -135,10 +137,10 @@ def disable(mc):
     configure(mc, {"MPICOMM_SHM_THRESHOLD": "off"})
 
 
-def _piece_bytes(env=os.environ, crowded=False):
+def _piece_bytes(env=os.environ):
     v = env.get("MPICOMM_SHM_PIECE", "").strip()
     if v == "":
-        return CROWDED_PIECE if crowded else DEFAULT_PIECE
+        return DEFAULT_PIECE
     p = _bytes("MPICOMM_SHM_PIECE", v)
     if p == 0:
         return _WHOLE           # 0: one piece per message (the window grows to the message)
@@ -198,13 +200,12 @@ class ShmGroup:
 
     def set_piece(self, piece=None, env=os.environ):
         """Fix the piece (bytes), or with None the default: MPICOMM_SHM_PIECE if set, else
-        CROWDED_PIECE when crowded, else tuned among AUTO_PIECES by all_reduce. Call it
-        alike on every rank."""
-        if piece is None and not self.crowded and not env.get("MPICOMM_SHM_PIECE", "").strip():
+        tuned among AUTO_PIECES by all_reduce. Call it alike on every rank."""
+        if piece is None and not env.get("MPICOMM_SHM_PIECE", "").strip():
             self.cands, self.piece = AUTO_PIECES, AUTO_PIECES[0]
         else:
             self.cands = None
-            self.piece = _piece_bytes(env, self.crowded) if piece is None else piece
+            self.piece = _piece_bytes(env) if piece is None else piece
 
     def _grow(self, need):
         """Make every buffer at least ``need`` bytes (collective; all ranks pass the
