@@ -8,7 +8,8 @@ nccl-tests defines it) and the ratio. Both sides write into preallocated arrays;
 size runs ``--rounds`` alternating rounds of raw and mpicomm, and each side's best
 round counts (time per call: the slowest rank's). ``--shm-threshold`` and
 ``--piece`` set MPICOMM_SHM_THRESHOLD / MPICOMM_SHM_PIECE ('off' for the ordinary
-path only).
+path only; without ``--piece`` all_reduce tunes its piece, and the path column shows the
+piece in use after the row).
 """
 import argparse
 import os
@@ -81,7 +82,7 @@ def main(argv=None):
         print(f"# {n} ranks, {a.dtype}, {MPI.Get_library_version().splitlines()[0].strip()}, "
               f"mpi4py {__import__('mpi4py').__version__}, numpy {np.__version__}; "
               f"MPICOMM_SHM_THRESHOLD={os.environ.get('MPICOMM_SHM_THRESHOLD', '(default)')} "
-              f"MPICOMM_SHM_PIECE={os.environ.get('MPICOMM_SHM_PIECE', '(default)')}")
+              f"MPICOMM_SHM_PIECE={os.environ.get('MPICOMM_SHM_PIECE', '(default: tuned)')}")
     for coll in colls:
         factor = BUSBW[coll](n)
         if rank == 0:
@@ -120,6 +121,8 @@ def main(argv=None):
             tr, tm = min(tr), min(tm)
             after = impl.shm.calls if impl.shm else {}
             path = "shm" if after.get(coll, 0) > before.get(coll, 0) else "mpi"
+            if path == "shm":
+                path += f" ({human(impl.shm.piece)})"
             if rank == 0:
                 bw = lambda t: nbytes / t / 1e9 * factor  # noqa: E731
                 print(f"| {human(nbytes)} | {tr * 1e6:.1f} us | {tm * 1e6:.1f} us | {bw(tr):.2f} | "
