@@ -359,6 +359,41 @@ def test_piece_tuner_agrees_and_keeps_results(groups):
             g.set_piece(PIECE)
 
 
+@pytest.mark.parametrize("dt", [np.int32, np.float64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_tuner_may_choose_open_mpi_where_results_are_the_same(groups, dt, inplace):
+    """The tuner's third choice, Open MPI's own all_reduce, is offered only where its
+    result has the same bits as the shared-memory path's (integers, or two ranks); every
+    rank makes the same choice at every call, and the results do not depend on it."""
+    for group in groups:
+        m = small_pieces(group)
+        if m.shm is None:
+            continue
+        g = m.shm
+        n = g.size
+        allowed = np.dtype(dt).kind in "iu" or n == 2
+        try:
+            g.cands, g.piece = (PIECE, 4 * PIECE), PIECE
+            seen, first = set(), None
+            for i in range(6 * _shm.EXPLORE):
+                x, arrs = rank_data(group, f"ord{i % 2}", (9_000,), dt)
+                want = reduce_np(arrs, ReduceOp.SUM)
+                before = g.ordinary
+                seen.add(before)
+                y = mpicomm.all_reduce(x, out=x if inplace else None, group=group)
+                if dt is np.float64:  # bit-identical whichever path ran: compare with call 0's
+                    if i % 2 == 0:
+                        first = y.copy() if first is None else first
+                        np.testing.assert_array_equal(y, first)
+                    np.testing.assert_allclose(y, want, rtol=1e-12)
+                else:
+                    np.testing.assert_array_equal(y, want)
+                assert len(set(g.comm.allgather((g.ordinary, g.piece)))) == 1
+            assert seen == ({False, True} if allowed else {False}), seen
+        finally:
+            g.set_piece(PIECE)
+
+
 def test_real_threshold(groups):
     """With the default thresholds: just below stays on Open MPI, just above takes the path."""
     for group in groups:

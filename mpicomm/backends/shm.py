@@ -77,11 +77,15 @@ CROWDED_THRESHOLD = 512 << 10
 AUTO_PIECES = (2 << 20, 8 << 20)
 DEFAULT_PIECE = AUTO_PIECES[0]   # the piece before any tuning
 EXPLORE = 16              # tuned calls after which the piece not in use is timed again
+ORDINARY = 0              # the tuner's third choice for all_reduce: Open MPI's own path
                           # (4x as many when it was > 1.25x slower than the best)
+_MAX_ORDINARY = 2 ** 31 - 1  # elements: Open MPI's count is a C int
 _HDR = 64                 # bytes after the two buffers of a segment: the tuner's two slots
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
 _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 _OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
@@ -159,7 +163,8 @@ class ShmGroup:
         self.rank = node.Get_rank()
         self.size = node.Get_size()
         self.crowded = crowded            # more ranks than cores: barriers yield the core
-        self.set_piece(piece)             # self.piece: cap on the bytes of one buffer
+        self.set_piece(piece)             # self.piece: cap on the bytes of one buffer;
+        #                                   self.ordinary: the tuner chose Open MPI's path
         self.hdr = None                   # rank 0's two tuner slots (int64), in the window
         self.tc = 0                       # tuned all_reduce calls so far (same on all ranks)
         self._stats = {}                  # rank 0: size class -> {piece: [s/byte, tc]}
@@ -201,6 +206,7 @@ class ShmGroup:
     def set_piece(self, piece=None, env=os.environ):
         """Fix the piece (bytes), or with None the default: MPICOMM_SHM_PIECE if set, else
         tuned among AUTO_PIECES by all_reduce. Call it alike on every rank."""
+        self.ordinary = False
         if piece is None and not env.get("MPICOMM_SHM_PIECE", "").strip():
             self.cands, self.piece = AUTO_PIECES, AUTO_PIECES[0]
         else:
@@ -280,6 +286,14 @@ class ShmGroup:
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
         n, r, isz = self.size, self.rank, x.itemsize
+        tuned = self.cands is not None and x.nbytes > self.cands[0]
+        # Open MPI's own all_reduce is a third choice of the tuner where its result is the
+        # same bits as this path's: two ranks (a + b == b + a) or integers (exact), and no
+        # float32 detour for float16/bfloat16. Every rank computes this alike.
+        ordinary_ok = tuned and not info.upcast and x.size <= _MAX_ORDINARY \
+            and (n == 2 or info.dtype.kind in "iub")
+        if tuned and self.ordinary and ordinary_ok:
+            return self._tune(self._ordinary(x, o, info, op), x.nbytes, ORDINARY, ordinary_ok, o is x)
         a = _ALIGN // isz if isz <= _ALIGN else 1
         pe = max(n * a, (self.piece // isz) // (n * a) * (n * a))   # elements of a piece
         c = x.size
@@ -287,61 +301,83 @@ class ShmGroup:
         if not self._grow(n * q * isz):
             return None
         gen = self._all_reduce(x.reshape(-1), o.reshape(-1), info, op, pe, isz)
-        if self.cands and x.nbytes > self.cands[0]:
-            return self._tune(gen, x.nbytes)
+        if tuned:
+            return self._tune(gen, x.nbytes, self.piece, ordinary_ok, o is x)
         return gen
 
-    # ----------------------------------------------------------- piece tuner
-    def _tune(self, gen, nbytes):
-        """Run all_reduce generator ``gen`` and agree on the piece of the next tuned call.
+    def _ordinary(self, x, o, info, op):
+        """Open MPI's all_reduce over the group (a generator with no barrier: the call is
+        the synchronisation)."""
+        mop = _MPI_OPS[op]
+        if o is x:
+            self.comm.Allreduce(MPI.IN_PLACE, [o, info.mpi], mop)
+        else:
+            self.comm.Allreduce([x, info.mpi], [o, info.mpi], mop)
+        if op is ReduceOp.AVG:
+            np.divide(o, self.size, out=o)
+        return
+        yield  # pragma: no cover
 
-        Rank 0 times every tuned call (a message of more than one small piece) per size
-        class (power of two) and piece, and picks the piece of the next tuned call: the
-        one with the lower recent time per byte, or the other one when it has not been
-        timed for EXPLORE calls (4 * EXPLORE if it was > 1.25x slower). It writes that
-        choice into slot (tc + 1) & 1 of its header before its first barrier of call tc;
-        every rank reads it after that barrier and uses it from call tc + 1 on. Rank 0
-        writes that slot again at call tc + 2, after call tc + 1's first barrier, which
-        every rank reaches only after reading. The piece never changes results (each
-        element is reduced over ranks 0..n-1 in that order whatever the piece), only
-        the speed.
+    # ----------------------------------------------------------- piece tuner
+    def _tune(self, gen, nbytes, used, ordinary_ok, inplace):
+        """Run all_reduce generator ``gen`` and agree on the choice of the next tuned call.
+
+        The choices are the pieces of AUTO_PIECES and, where ``ordinary_ok``, Open MPI's
+        own all_reduce (ORDINARY). Rank 0 times every tuned call per size class (power of
+        two, in place or not) and choice, and picks the choice of the next tuned call: the
+        one with the lower recent time per byte, or another when it has not been timed for
+        EXPLORE calls (4 * EXPLORE if it was > 1.25x slower). It writes that choice into
+        slot (tc + 1) & 1 of its header before its first barrier of call tc (before the
+        Allreduce of an ordinary call); every rank reads it after that barrier (after the
+        Allreduce, which no rank completes before rank 0 has entered it) and uses it from
+        call tc + 1 on. Rank 0 writes that slot again at call tc + 2, after call tc + 1's
+        first synchronisation, which every rank reaches only after reading. No choice
+        changes results: each element is reduced over ranks 0..n-1 in that order
+        whatever the piece, and Open MPI is a choice only where its result is the same.
         """
         t0 = perf_counter()
-        cls_ = nbytes.bit_length()
+        cls_ = (nbytes.bit_length(), inplace)
+        cands = self.cands + (ORDINARY,) if ordinary_ok else self.cands
         slot = (self.tc + 1) & 1
         hdr = self.hdr
         if self.rank == 0:
-            hdr[slot] = self._decide(cls_)
+            hdr[slot] = self._decide(cls_, cands)
         nxt = None
         for _ in gen:
             yield
             if nxt is None:
                 nxt = int(hdr[slot])
+        if nxt is None:  # the ordinary path: no barrier, its Allreduce synchronised
+            self.win.Sync()
+            nxt = int(hdr[slot])
         if self.rank == 0:
-            self._record(cls_, (perf_counter() - t0) / nbytes)
+            self._record(cls_, used, (perf_counter() - t0) / nbytes)
         self.tc += 1
-        if nxt in self.cands:
+        if nxt == ORDINARY:
+            self.ordinary = True
+        elif nxt in self.cands:
+            self.ordinary = False
             self.piece = nxt
 
-    def _decide(self, cls_):
-        """Rank 0: the piece for tuned call tc + 1 (stats of calls up to tc - 1)."""
-        st = self._stats.setdefault(cls_, {})   # piece -> [s/byte, call, to be replaced]
-        best = min((st[p][0] for p in self.cands if p in st), default=0.0)
-        for p in self.cands:
+    def _decide(self, cls_, cands):
+        """Rank 0: the choice for tuned call tc + 1 (stats of calls up to tc - 1)."""
+        st = self._stats.setdefault(cls_, {})   # choice -> [s/byte, call, to be replaced]
+        best = min((st[p][0] for p in cands if p in st), default=0.0)
+        for p in cands:
             e = st.get(p)
-            # a piece last timed much slower than the best is timed again 4x less often
+            # a choice last timed much slower than the best is timed again 4x less often
             if e is None or self.tc - e[1] >= (EXPLORE if e[0] <= 1.25 * best else 4 * EXPLORE):
                 # never timed, or not lately: time it at call tc + 1
                 st[p] = [e[0] if e else float("inf"), self.tc + 1, True]
                 return p
-        return min(self.cands, key=lambda p: st[p][0])
+        return min(cands, key=lambda p: st[p][0])
 
-    def _record(self, cls_, t):
+    def _record(self, cls_, used, t):
         st = self._stats.setdefault(cls_, {})
-        e = st.get(self.piece)
+        e = st.get(used)
         if e is not None and not e[2] and self.tc - e[1] <= 2:
             t = 0.5 * (e[0] + t)          # smooth a run of calls; a stale time is replaced
-        st[self.piece] = [t, self.tc, False]
+        st[used] = [t, self.tc, False]
 
     def _all_reduce(self, xf, of, info, op, pe, isz):
         n, r = self.size, self.rank
