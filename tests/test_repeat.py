@@ -131,3 +131,33 @@ def test_broadcast_repeated_roots(comm):
         np.testing.assert_array_equal(x, rank_data(root, "bc", step, 9, np.int64))
     with pytest.raises(InvalidArgumentError, match="root"):
         mpicomm.broadcast(x, n)
+
+
+def test_large_arrays_repeat_without_being_kept_alive(comm):
+    """all_gather and broadcast of arrays above REPLAY_MAX repeat through weak references:
+    right results with new contents and shapes, and the arrays are freed when dropped."""
+    import gc
+    import weakref
+
+    from mpicomm.backends.base import REPLAY_MAX
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    k = REPLAY_MAX // 4 + 1001  # float32 elements per rank: above the strong-reference limit
+    x = np.empty(k, np.float32)
+    o = np.empty(n * k, np.float32)
+    b = np.empty(2 * k, np.int32)
+    for step in range(4):
+        x[...] = rank_data(r, "big-ag", step, k, np.float32)
+        assert mpicomm.all_gather(x, out=o) is o
+        np.testing.assert_array_equal(o, np.concatenate(all_data("big-ag", step, k, np.float32)))
+        root = step % n
+        b[...] = rank_data(r, "big-bc", step, 2 * k, np.int32)
+        assert mpicomm.broadcast(b, root) is b
+        np.testing.assert_array_equal(b, rank_data(root, "big-bc", step, 2 * k, np.int32))
+    x.shape = (k, 1)
+    with pytest.raises(InvalidArgumentError, match=r"out\.shape"):
+        mpicomm.all_gather(x, out=o)
+    wx, wo, wb = weakref.ref(x), weakref.ref(o), weakref.ref(b)
+    del x, o, b
+    gc.collect()
+    assert wx() is None and wo() is None and wb() is None

@@ -124,6 +124,31 @@ _NEVER = object()
 NO_REPLAY = Replay()
 
 
+def _dead():
+    return None
+
+
+class WeakReplay:
+    """A Replay for arrays above REPLAY_MAX: it holds them by weak reference, so it never
+    keeps a large array alive, and the call's buffer specs are rebuilt each time (two
+    small lists). Used by the MPI backend's all_gather and broadcast, whose large
+    messages take Open MPI's path, where the checks showed up at 1 MiB."""
+
+    __slots__ = ("x", "out", "op", "shape", "dtype", "c", "dt")
+
+    def __init__(self, x=None, out=None, op=None, c=None, dt=None):
+        import weakref
+
+        self.x = weakref.ref(x) if x is not None else _dead
+        self.out = weakref.ref(out) if out is not None else _dead
+        self.op, self.c, self.dt = op, c, dt
+        self.shape = x.shape if x is not None else None
+        self.dtype = x.dtype if x is not None else None
+
+
+NO_WEAK = WeakReplay()
+
+
 class Backend:
     """A transport: makes one communicator per group."""
 
@@ -139,4 +164,4 @@ class Backend:
         pass
 
 
-__all__ = ["Backend", "Work", "Replay", "NO_REPLAY", "REPLAY_MAX", "CollectiveTimeoutError"]
+__all__ = ["Backend", "Work", "Replay", "NO_REPLAY", "WeakReplay", "NO_WEAK", "REPLAY_MAX", "CollectiveTimeoutError"]

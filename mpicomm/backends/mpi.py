@@ -8,7 +8,7 @@ from ..arrays import _TABLE, dtype_info, host_out, to_host
 from ..errors import invalid
 from ..ops import ReduceOp, check_op_dtype
 from . import _bigcount, shm as _shm
-from .base import NO_REPLAY, REPLAY_MAX, Backend, Replay, Work
+from .base import NO_REPLAY, NO_WEAK, REPLAY_MAX, Backend, Replay, WeakReplay, Work
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
@@ -55,11 +55,13 @@ class MPIComm:
         self._hot = {}  # (dtype, op) -> (MPI datatype, MPI op): pairs all_reduce has validated
         # the last plain blocking call of each collective, repeated without checks (base.Replay)
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
+        self._w_all_gather = self._w_broadcast = NO_WEAK  # the same for large arrays, weakly held
         self.shm = None  # optional single-host shared-memory fast path (mpicomm.backends.shm)
         _shm.configure(self)  # self.shm_min_<collective>: bytes from which it is tried
 
     def close(self):
         self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
+        self._w_all_gather = self._w_broadcast = NO_WEAK
         if self.shm is not None:
             self.shm.close()
             self.shm = None
@@ -186,6 +188,11 @@ class MPIComm:
                 return o
             self.comm.Allgather(r.a, r.b)
             return out
+        w = self._w_all_gather
+        if out is not None and w.x() is x and w.out() is out and not async_op and x.dtype is w.dtype \
+                and x.shape == w.shape:
+            self.comm.Allgather([x, w.c, w.dt], [out, w.dt])
+            return out
         x0 = x
         x, back = to_host(x)
         info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
@@ -200,9 +207,12 @@ class MPIComm:
             return _bigcount.all_gather(self, x, o, wb, back, async_op)
         sb, rb = [x, x.size, info.mpi], [o, info.mpi]
         post = (lambda: _finish(o, wb, back)) if (wb or back) else None
-        if not async_op and post is None and x is x0 and o.nbytes <= REPLAY_MAX:
+        if not async_op and post is None and x is x0:
             self.comm.Allgather(sb, rb)
-            self._r_all_gather = Replay(x, out, None, sb, rb if out is not None else None, info.mpi, None, shape)
+            if o.nbytes <= REPLAY_MAX:
+                self._r_all_gather = Replay(x, out, None, sb, rb if out is not None else None, info.mpi, None, shape)
+            elif out is o:
+                self._w_all_gather = WeakReplay(x, out, None, x.size, info.mpi)
             return o
         return self._run(lambda: self.comm.Iallgather(sb, rb), lambda: self.comm.Allgather(sb, rb),
                          o, post, async_op, ("all_gather", x.shape, x.dtype))
@@ -262,6 +272,10 @@ class MPIComm:
         if x is r.x and root is r.op and not async_op and x.dtype is r.dtype and x.shape == r.shape:
             self.comm.Bcast(r.a, root)
             return x
+        w = self._w_broadcast
+        if w.x() is x and root is w.op and not async_op and x.dtype is w.dtype and x.shape == w.shape:
+            self.comm.Bcast([x, w.dt], root)
+            return x
         root = self._root(root)
         if type(x) is np.ndarray:
             if not x.flags.c_contiguous:
@@ -284,9 +298,12 @@ class MPIComm:
         if h.size > _MAX_COUNT:
             return _bigcount.broadcast(self, h, root, x, post, async_op)
         b = [h, info.mpi]
-        if post is None and not async_op and h is x and x.nbytes <= REPLAY_MAX:
+        if post is None and not async_op and h is x:
             self.comm.Bcast(b, root)
-            self._r_broadcast = Replay(x, None, root, b)
+            if x.nbytes <= REPLAY_MAX:
+                self._r_broadcast = Replay(x, None, root, b)
+            else:
+                self._w_broadcast = WeakReplay(x, None, root, None, info.mpi)
             return x
         return self._run(lambda: self.comm.Ibcast(b, root), lambda: self.comm.Bcast(b, root),
                          x, post, async_op, ("broadcast", h.shape, h.dtype))
