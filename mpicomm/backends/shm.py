@@ -286,12 +286,14 @@ class ShmGroup:
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
         n, r, isz = self.size, self.rank, x.itemsize
-        tuned = self.cands is not None and x.nbytes > self.cands[0]
         # Open MPI's own all_reduce is a third choice of the tuner where its result is the
         # same bits as this path's: two ranks (a + b == b + a) or integers (exact), and no
-        # float32 detour for float16/bfloat16. Every rank computes this alike.
-        ordinary_ok = tuned and not info.upcast and x.size <= _MAX_ORDINARY \
+        # float32 detour for float16/bfloat16. Every rank computes this alike. Messages of
+        # more than one piece are tuned (the piece matters), and so are those of one piece
+        # where Open MPI is a choice (in place, it often wins below a few MiB).
+        ordinary_ok = self.cands is not None and not info.upcast and x.size <= _MAX_ORDINARY \
             and (n == 2 or info.dtype.kind in "iub")
+        tuned = self.cands is not None and (x.nbytes > self.cands[0] or ordinary_ok)
         if tuned and self.ordinary and ordinary_ok:
             return self._tune(self._ordinary(x, o, info, op), x.nbytes, ORDINARY, ordinary_ok, o is x)
         a = _ALIGN // isz if isz <= _ALIGN else 1
