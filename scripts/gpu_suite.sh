@@ -59,7 +59,7 @@ if want core || want tests; then
 fi
 if want tests; then
     step "mpi-tests-rest-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py \
-        tests/test_train.py tests/test_sampler.py tests/test_context.py tests/test_errors.py $(ls tests/test_shm.py 2>/dev/null)
+        tests/test_train.py tests/test_sampler.py tests/test_context.py tests/test_errors.py tests/test_repeat.py $(ls tests/test_shm.py 2>/dev/null)
 fi
 if want faults && [ -f tests/test_faults.py ]; then
     step "faults-nccl" 400 "$PY" -m pytest -q -rs -p no:cacheprovider --color=no tests/test_faults.py -k nccl-gpu
