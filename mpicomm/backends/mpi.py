@@ -99,6 +99,8 @@ class MPIComm:
         return result
 
     # ----------------------------------------------------------- collectives
+    # Each collective writes its repeat path (base.Replay) out in full: a shared helper
+    # would add a Python call, about a tenth of what the path costs.
     def all_reduce(self, x, op, out, async_op, stream=None):
         r = self._r_all_reduce  # the same arrays as the last plain call: repeat it
         if x is r.x and out is r.out and op is r.op and not async_op and x.dtype is r.dtype \
