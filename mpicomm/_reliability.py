@@ -173,34 +173,18 @@ class Hooks:
         return r
 
     def run_checked(self, g, code, x, async_op, fn, args):
-        """run() for debug mode: compare the arguments across the group first."""
+        """run() for debug mode: compare the arguments across the group first (inside the
+        published call, so a rank missing from the comparison shows as pending)."""
         if self._fired:  # the watchdog is aborting the job
             from .errors import CommunicationError
 
             raise CommunicationError(f"{_NAMES[code]} on group {g.name!r}: the job is being aborted "
                                      "after a collective timed out (see the CollectiveTimeoutError above)")
-        b = g.row
-        if b is None:
-            b = self._row(g)
-        seq = g.seq + 1
-        g.seq = seq
-        v = seq << 4 | code
-        m = self._m
-        m[b] = v
-        self.x = x
-        try:
-            if self.debug:
-                self.check(g, code, x, *_op_root(code, args), seq)
-            r = fn(*args)
-        except BaseException:
-            self.x = None
-            m[b + 1] = v
-            raise
-        m[b + 1] = v
-        self.x = None
-        if async_op and r is not None:
-            r._what = r._what[:3] + (g, seq)
-        return r
+        return Hooks.run(self, g, code, x, async_op, self._checked_call, (g, code, x, fn, args))
+
+    def _checked_call(self, g, code, x, fn, args):
+        self.check(g, code, x, *_op_root(code, args), g.seq)  # g.seq: this call's, set by run()
+        return fn(*args)
 
     def _row(self, g):
         if self._free:

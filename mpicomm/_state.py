@@ -85,6 +85,22 @@ def get_group(group):
     return g
 
 
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no")
+
+
+def env_bool(name, default):
+    """A yes/no environment variable: 1/on/true/yes or 0/off/false/no (any case), else an error."""
+    v = os.environ.get(name, "").strip().lower()
+    if v == "":
+        return default
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise invalid(name, os.environ[name], "1, on, true or yes; 0, off, false or no")
+
+
 def env_float(name, default):
     v = os.environ.get(name)
     if v is None or v == "":

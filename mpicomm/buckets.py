@@ -11,13 +11,12 @@ same order.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import numpy as np
 
 from . import collectives
-from ._state import CTX, get_group
+from ._state import CTX, env_bool, get_group
 from .arrays import BFLOAT16
 from .errors import InvalidArgumentError, invalid
 from .ops import ReduceOp, as_op
@@ -430,6 +429,7 @@ class DistributedGradReducer:
                 raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
             if not isinstance(fp32_sync, (bool, np.bool_)):
                 raise invalid("fp32_sync", fp32_sync, "True or False")
+            group_launch = env_bool("MPICOMM_BUCKET_GROUP", True)
             plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
             sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
                    bool(fp32_sync))
@@ -461,7 +461,7 @@ class DistributedGradReducer:
         # inside one NCCL group (ncclGroupStart/End): NCCL schedules them together instead
         # of one after the other, so small buckets lose little to one big buffer.
         # MPICOMM_BUCKET_GROUP=0 (or setting this attribute to False) issues them one by one.
-        self.group_launch = os.environ.get("MPICOMM_BUCKET_GROUP", "1") not in ("0", "off", "false")
+        self.group_launch = group_launch
 
     # ----------------------------------------------------------- setup
     def _build(self, plan, specs):

@@ -12,6 +12,7 @@ import functools
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpicomm
 from mpicomm._state import CTX
@@ -74,8 +75,6 @@ def main():
             "x.data.ptr": lambda: x.data.ptr,
         }
     else:
-        from mpi4py import MPI
-
         raw = g.mpi_comm.Dup()
         raws = {
             "all_reduce": p(raw.Allreduce, x, o, MPI.SUM),
@@ -110,7 +109,7 @@ def main():
                 sync()
             best = min(best, time.perf_counter() - t0)
         t = np.array([best / iters * 1e6])
-        g.mpi_comm.Allreduce(mpicomm_inplace(), t, op=mpi_max())
+        g.mpi_comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
         return float(t[0])
 
     rows = []
@@ -139,18 +138,6 @@ def main():
         raw.destroy()
     else:
         raw.Free()
-
-
-def mpicomm_inplace():
-    from mpi4py import MPI
-
-    return MPI.IN_PLACE
-
-
-def mpi_max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 if __name__ == "__main__":

@@ -597,3 +597,17 @@ def test_call_results_are_new_arrays_that_outlive_the_next_step(comm, plan, requ
             assert o.shape == s and o.dtype == np.float32
             np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
             assert not any(np.shares_memory(o, v) for v in views)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("value, want", [("0", False), ("off", False), ("1", True), ("TRUE", True), ("", True)])
+def test_bucket_group_environment(comm, monkeypatch, value, want):
+    monkeypatch.setenv("MPICOMM_BUCKET_GROUP", value)
+    assert comm.DistributedGradReducer([np.zeros(3), np.zeros(4)]).group_launch is want
+
+
+@pytest.mark.mpi
+def test_bucket_group_environment_bad_value_raises_on_every_rank(comm, monkeypatch):
+    monkeypatch.setenv("MPICOMM_BUCKET_GROUP", "maybe")
+    with pytest.raises(InvalidArgumentError, match=r"MPICOMM_BUCKET_GROUP='maybe'.*1, on, true or yes; 0, off"):
+        comm.DistributedGradReducer([np.zeros(3)])
