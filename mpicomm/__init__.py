@@ -3,15 +3,15 @@
 This module defines the public API. Importing it does not initialise MPI, touch a
 GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 """
-from .collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
+from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
                           all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
-from .backends.base import Work
-from .comm import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
+from ._backends.base import Work
+from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
                    get_group_size, get_local_rank, get_local_size, get_rank, get_world_rank_from_group_rank,
                    init, is_initialized)
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicationError, InvalidArgumentError, MpicommError, NotInitializedError)
-from .ops import ReduceOp
+from ._ops import ReduceOp
 
 __version__ = "0.1.0"
 

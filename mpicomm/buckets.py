@@ -15,11 +15,11 @@ import warnings
 
 import numpy as np
 
-from . import collectives
+from . import _collectives as collectives
 from ._state import CTX, env_bool, get_group
-from .arrays import BFLOAT16
+from ._arrays import BFLOAT16
 from .errors import InvalidArgumentError, invalid
-from .ops import ReduceOp, as_op
+from ._ops import ReduceOp, as_op
 
 MIB = 1 << 20
 COMPRESSIONS = (None, "fp16", "bf16")

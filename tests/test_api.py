@@ -107,7 +107,7 @@ def test_work_handle(comm):
 
 def test_reduceop_names():
     assert mpicomm.ReduceOp.SUM == "sum"
-    from mpicomm.ops import as_op
+    from mpicomm._ops import as_op
 
     assert as_op("MAX") is mpicomm.ReduceOp.MAX and as_op("avg") is mpicomm.ReduceOp.AVG
     with pytest.raises(mpicomm.InvalidArgumentError, match="op='bogus'.*SUM"):
@@ -116,7 +116,7 @@ def test_reduceop_names():
 
 def test_nccl_unique_id_forms():
     """CuPy >= 14 gives the NCCL id as bytes, older CuPy as a tuple of ints: accept both."""
-    from mpicomm.backends.nccl import as_uid
+    from mpicomm._backends.nccl import as_uid
 
     raw = bytes(range(120, 248))
     as_tuple = tuple(v - 256 if v > 127 else v for v in raw)

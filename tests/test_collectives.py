@@ -76,7 +76,7 @@ def sub_ranks(n):
 @pytest.fixture(scope="module")
 def subgroup(comm):
     n = mpicomm.get_group_size()
-    if "rev" not in mpicomm.comm.CTX.groups:
+    if "rev" not in mpicomm._state.CTX.groups:
         mpicomm.create_group("rev", sub_ranks(n))
     return "rev"
 
@@ -85,7 +85,7 @@ def members(group):
     n = mpicomm.get_group_size()
     if group is None:
         return list(range(n))
-    return list(mpicomm.comm.CTX.groups[group].ranks)
+    return list(mpicomm._state.CTX.groups[group].ranks)
 
 
 def in_group(group):

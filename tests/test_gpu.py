@@ -17,7 +17,7 @@ DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "
 def nccl(comm):
     if mpicomm.get_backend() != "nccl":
         pytest.skip("needs the NCCL backend (a GPU and CuPy)")
-    if "grev" not in mpicomm.comm.CTX.groups:
+    if "grev" not in mpicomm._state.CTX.groups:
         mpicomm.create_group("grev", sub_ranks(mpicomm.get_group_size()))
     return "grev"
 
@@ -99,7 +99,7 @@ def close(a, b):
 
 
 def members(group):
-    return list(mpicomm.comm.CTX.groups[group].ranks) if group else list(range(mpicomm.get_group_size()))
+    return list(mpicomm._state.CTX.groups[group].ranks) if group else list(range(mpicomm.get_group_size()))
 
 
 def synced(result, k):

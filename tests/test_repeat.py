@@ -1,5 +1,5 @@
 """Repeated calls with the same arrays: the backends repeat a validated call without
-checking again (mpicomm.backends.base.Replay). New contents, a new op or root, and
+checking again (mpicomm._backends.base.Replay). New contents, a new op or root, and
 arrays whose shape or dtype was changed in place must all still give the right result
 or the right error. Expectations are computed with NumPy from every rank's data."""
 import zlib
@@ -142,7 +142,7 @@ def test_large_arrays_repeat_without_being_kept_alive(comm):
     import gc
     import weakref
 
-    from mpicomm.backends.base import REPLAY_MAX
+    from mpicomm._backends.base import REPLAY_MAX
 
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
     k = REPLAY_MAX // 4 + 1001  # float32 elements per rank: above the strong-reference limit

@@ -15,7 +15,7 @@ import pytest
 
 import mpicomm
 from mpicomm import ReduceOp
-from mpicomm.backends import shm as _shm
+from mpicomm._backends import shm as _shm
 from mpicomm.errors import InvalidArgumentError
 from test_collectives import allowed, data, reduce_np  # one source of test data and expectations
 
@@ -44,14 +44,14 @@ def digest(a):
 
 
 def same_on_every_rank(group, a):
-    g = mpicomm.comm.CTX.world if group is None else mpicomm.comm.CTX.groups[group]
+    g = mpicomm._state.CTX.world if group is None else mpicomm._state.CTX.groups[group]
     d = g.mpi_comm.allgather(digest(a))
     assert len(set(d)) == 1, d
 
 
 def impl(group=None):
     """The group's MPI communicator object (under NCCL, the one host arrays take)."""
-    i = mpicomm.comm.get_group(group).impl
+    i = mpicomm._state.get_group(group).impl
     return getattr(i, "host", i)
 
 
@@ -69,7 +69,7 @@ def sub_ranks(n):
 def groups(comm):
     """The world and a reversed sub-group (None for ranks outside it), small thresholds."""
     n = mpicomm.get_group_size()
-    if "shm_rev" not in mpicomm.comm.CTX.groups:
+    if "shm_rev" not in mpicomm._state.CTX.groups:
         mpicomm.create_group("shm_rev", sub_ranks(n))
     mine = [None] + (["shm_rev"] if mpicomm.get_rank() in sub_ranks(n) else [])
     for name in mine:
@@ -98,7 +98,7 @@ def expect_path(group, name, before, taken=True):
 
 def rank_data(group, key, shape, dt, op=ReduceOp.SUM):
     """(this rank's array, every rank's arrays), keyed by world rank."""
-    world = mpicomm.comm.get_group(group).ranks
+    world = mpicomm._state.get_group(group).ranks
     arrs = [np.asarray(data(w, key, shape, dt, op)) for w in world]
     return arrs[mpicomm.get_rank(group)].copy(), arrs
 
@@ -445,9 +445,9 @@ class _SplitAsIfOnOtherHosts:
 def test_group_across_hosts_is_unavailable(comm):
     """The decision rule: unless every rank's shared-memory node is the whole group,
     ShmGroup.open says no (on every rank), and the collectives take the ordinary path."""
-    from mpicomm.backends.mpi import MPIComm
+    from mpicomm._backends.mpi import MPIComm
 
-    world = mpicomm.comm.CTX.world.mpi_comm
+    world = mpicomm._state.CTX.world.mpi_comm
     if world.Get_size() == 1:
         pytest.skip("one rank is always on one host")
     dup = world.Dup()

@@ -53,7 +53,7 @@ def _gpu_facts(local_rank):
         count = 0
     facts["gpu_count"] = count
     if count:
-        # The same choice as mpicomm.topology.select_gpu.
+        # The same choice as mpicomm._topology.select_gpu.
         facts["gpu"] = local_rank % count
         facts["visible_bus_ids"] = [cupy.cuda.Device(i).pci_bus_id for i in range(count)]
         facts["pci_bus_id"] = facts["visible_bus_ids"][facts["gpu"]]

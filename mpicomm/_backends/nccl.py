@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from ..arrays import _TABLE, BFLOAT16, dtype_info, is_gpu_array
+from .._arrays import _TABLE, BFLOAT16, dtype_info, is_gpu_array
 from ..errors import BackendUnavailableError, invalid
-from ..ops import ReduceOp, check_op_dtype
+from .._ops import ReduceOp, check_op_dtype
 from .base import NO_REPLAY, REPLAY_MAX, Backend, Replay, Work
 from .mpi import MPIComm
 
@@ -96,7 +96,7 @@ class NCCLBackend(Backend):
                 "the NCCL backend needs a GPU, and CuPy sees none here"
                 + (f" ({err})" if 'err' in locals() else "")
                 + "; use init(backend='mpi') or unset MPICOMM_BACKEND")
-        from ..topology import select_gpu
+        from .._topology import select_gpu
 
         ctx.device_id = select_gpu(ctx.local_rank)  # before any NCCL communicator exists
 

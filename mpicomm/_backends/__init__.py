@@ -2,8 +2,8 @@
 from ..errors import invalid
 
 _REGISTRY = {
-    "mpi": ("mpicomm.backends.mpi", "MPIBackend"),
-    "nccl": ("mpicomm.backends.nccl", "NCCLBackend"),
+    "mpi": ("mpicomm._backends.mpi", "MPIBackend"),
+    "nccl": ("mpicomm._backends.nccl", "NCCLBackend"),
 }
 
 

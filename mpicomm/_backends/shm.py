@@ -53,7 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import invalid
-from ..ops import ReduceOp
+from .._ops import ReduceOp
 
 NEVER = sys.maxsize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..arrays import _TABLE, dtype_info, host_out, to_host
+from .._arrays import _TABLE, dtype_info, host_out, to_host
 from ..errors import invalid
-from ..ops import ReduceOp, check_op_dtype
-from . import _bigcount, shm as _shm
+from .._ops import ReduceOp, check_op_dtype
+from . import bigcount as _bigcount, shm as _shm
 from .base import NO_REPLAY, NO_WEAK, REPLAY_MAX, Backend, Replay, WeakReplay, Work
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,

@@ -10,7 +10,7 @@ tensors).
 from __future__ import annotations
 
 from ._state import CTX, get_group
-from .ops import ReduceOp, as_op
+from ._ops import ReduceOp, as_op
 
 # collective codes for the reliability hooks (mpicomm._reliability._CODES)
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _BROADCAST, _REDUCE, _ALL_TO_ALL, _BARRIER = range(1, 8)

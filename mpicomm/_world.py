@@ -5,7 +5,7 @@ import os
 
 from . import _state
 from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_float, get_group, require_init
-from .backends import get_backend_class, names as backend_names
+from ._backends import get_backend_class, names as backend_names
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
@@ -13,7 +13,7 @@ def _pick_backend(backend):
     if backend is None:
         backend = os.environ.get("MPICOMM_BACKEND") or None
     if backend is None:
-        from .topology import gpu_count
+        from ._topology import gpu_count
 
         return "nccl" if gpu_count() > 0 else "mpi"
     if not isinstance(backend, str) or backend.lower() not in backend_names():
@@ -53,7 +53,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
                       "(call finalize() first to change them)")
     from mpi4py import MPI
 
-    from .topology import local_comm
+    from ._topology import local_comm
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
