@@ -17,11 +17,11 @@ __version__ = "0.1.0"
 
 # Data-parallel training helpers, imported on first use (mpicomm.DistributedGradReducer, ...).
 _LAZY = {
-    "DistributedGradReducer": "buckets", "all_reduce_coalesced": "buckets",
-    "broadcast_parameters": "buckets",
-    "set_auto_parallel_context": "context", "get_auto_parallel_context": "context",
-    "reset_auto_parallel_context": "context",
-    "DistributedSampler": "sampler",
+    "DistributedGradReducer": "training.buckets", "all_reduce_coalesced": "training.buckets",
+    "broadcast_parameters": "training.buckets",
+    "set_auto_parallel_context": "training.context", "get_auto_parallel_context": "training.context",
+    "reset_auto_parallel_context": "training.context",
+    "DistributedSampler": "training.sampler",
 }
 
 

@@ -69,7 +69,7 @@ if want smoke && "$PY" -c "import mpicomm.tools.smoke" 2>/dev/null; then
 fi
 if want doctor && [ -f mpicomm/tools/doctor.py ]; then
     step "doctor" 120 "${MPI[@]}" "$NGPU" "$PY" -m mpicomm.tools.doctor
-    step "doctor-one-gpu(expect rc=1)" 120 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mpicomm.run -n 2 -m mpicomm.tools.doctor
+    step "doctor-one-gpu(expect rc=1)" 120 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mpicomm.launch -n 2 -m mpicomm.tools.doctor
 fi
 if want train && [ -f scripts/train_data_parallel.py ]; then
     step "train-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/train_data_parallel.py --min-accuracy 0.9

@@ -28,7 +28,12 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import mpicomm
 
-from mpicomm.datasets import load_digits, load_mnist
+# datasets.py sits next to this script; put its folder first also when the script is
+# loaded by path (tests) rather than run, so a `datasets` package elsewhere does not win.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from datasets import load_digits, load_mnist  # noqa: E402
 
 
 # ---------------------------------------------------------------- the model

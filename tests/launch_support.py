@@ -36,5 +36,5 @@ def have_mpirun():
 
 
 def run_cli(*args):
-    """argv for ``python -m mpicomm.run ARGS``."""
-    return [sys.executable, "-m", "mpicomm.run", *args]
+    """argv for ``python -m mpicomm.launch ARGS``."""
+    return [sys.executable, "-m", "mpicomm.launch", *args]

@@ -3,7 +3,8 @@ import pytest
 
 import mpicomm
 from mpicomm import InvalidArgumentError
-from mpicomm.context import get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context
+from mpicomm.training.context import (get_auto_parallel_context, reset_auto_parallel_context,
+                                      set_auto_parallel_context)
 
 
 @pytest.fixture(autouse=True)

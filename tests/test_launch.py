@@ -11,7 +11,7 @@ from launch_support import ROOT, clean_mpi_env, have_mpirun, run_cli, spawns_mpi
 from mpicomm.launch import hostfile as hf
 from mpicomm.launch import mpirun as mr
 from mpicomm.launch.hostfile import Host, HostfileError
-from mpicomm import run as cli
+from mpicomm.launch import cli
 
 RIGHT_FORM = '"host slots=N [max_slots=M]" or "host:N"'
 IS_ROOT = os.geteuid() == 0

@@ -7,7 +7,7 @@ import pytest
 
 import mpicomm
 from mpicomm import InvalidArgumentError
-from mpicomm.sampler import DistributedSampler
+from mpicomm.training.sampler import DistributedSampler
 
 
 def shards(n, s, **kw):

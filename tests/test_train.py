@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ from conftest import ROOT, clean_mpi_env, mpirun_argv
 
 import mpicomm
 from mpicomm import InvalidArgumentError
-from mpicomm.datasets import load_mnist, read_idx, write_idx
 
 SCRIPT = os.path.join(ROOT, "scripts", "train_data_parallel.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))  # the example's data set reader, scripts/datasets.py
+from datasets import load_mnist, read_idx, write_idx  # noqa: E402
 
 
 def _script():
@@ -190,5 +192,6 @@ def test_load_mnist(tmp_path):
 
 
 def test_reducer_is_public():
-    assert mpicomm.DistributedGradReducer.__module__ == "mpicomm.buckets"
-    assert mpicomm.DistributedSampler.__module__ == "mpicomm.sampler"
+    assert mpicomm.DistributedGradReducer.__module__ == "mpicomm.training.buckets"
+    assert mpicomm.DistributedSampler.__module__ == "mpicomm.training.sampler"
+    assert mpicomm.set_auto_parallel_context.__module__ == "mpicomm.training.context"

@@ -1,6 +1,8 @@
 """Launching jobs: hostfile parsing and validation, mpirun discovery and argv building.
 
-The command-line front end is :mod:`mpicomm.run` (``mpicomm-run``).
+The command-line front end is :mod:`mpicomm.launch.cli` (``mpicomm-run``, or
+``python -m mpicomm.launch``); :mod:`mpicomm.launch.rankwrap` runs in front of each rank
+when ``--log-dir`` is given.
 """
 from mpicomm.launch.hostfile import (Host, HostfileError, check_capacity,
                                      parse_host_list, parse_hostfile, parse_hostfile_text)

@@ -1,4 +1,5 @@
-"""Small real data sets for the examples: scikit-learn's bundled digits, MNIST IDX files.
+"""Small real data sets for scripts/train_data_parallel.py: scikit-learn's bundled
+digits, MNIST IDX files.
 
 Neither needs the network: the digits ship inside scikit-learn (``pip install
 'mpicomm[examples]'``), and MNIST is read from IDX files already on disk.
@@ -10,7 +11,7 @@ import os
 
 import numpy as np
 
-from .errors import InvalidArgumentError, invalid
+from mpicomm.errors import InvalidArgumentError, invalid
 
 # IDX type codes -> big-endian numpy dtypes
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}

@@ -4,7 +4,7 @@
                 [-x NAME[=VALUE]]... [--log-dir DIR] [--timeout SECONDS] [--dry-run]
                 [--mpirun PATH] [--] (script.py | -m module) [args...]
 
-Also ``python -m mpicomm.run``. The hostfile is checked before anything starts, the
+Also ``python -m mpicomm.launch``. The hostfile is checked before anything starts, the
 mpirun command is built for the MPI that is installed (Open MPI 4/5 or MPICH), and
 every rank gets ``MPICOMM_*``, ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ``PYTHONPATH``,
 ``LD_LIBRARY_PATH``, ``PATH`` (with this virtual environment first) and each ``-x``.

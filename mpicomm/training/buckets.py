@@ -15,11 +15,12 @@ import warnings
 
 import numpy as np
 
-from . import _collectives as collectives
-from ._state import CTX, env_bool, get_group
-from ._arrays import BFLOAT16
-from .errors import InvalidArgumentError, invalid
-from ._ops import ReduceOp, as_op
+from .. import _collectives as collectives
+from .._arrays import BFLOAT16
+from .._ops import ReduceOp, as_op
+from .._state import CTX, env_bool, get_group
+from ..errors import InvalidArgumentError, invalid
+from .context import check_fusion_config, get_auto_parallel_context
 
 MIB = 1 << 20
 COMPRESSIONS = (None, "fp16", "bf16")
@@ -295,24 +296,6 @@ def check_bucket_cap_mb(cap):
     return float(cap)
 
 
-def check_fusion_config(fc, arg="fusion_config"):
-    """Validate MindSpore split points: strictly increasing 0-based ints; returns a list."""
-    if fc is None:
-        return None
-    allowed = ("a strictly increasing list of 0-based gradient indices >= 0 (inclusive ends of "
-               "the fused segments, in forward order), e.g. [20, 35]")
-    if not isinstance(fc, (list, tuple)):
-        raise invalid(arg, fc, allowed)
-    out = []
-    for v in fc:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise invalid(arg, list(fc), allowed + f" (bad entry: {v!r})")
-        if out and v <= out[-1]:
-            raise invalid(arg, list(fc), allowed + f" ({v} does not follow {out[-1]})")
-        out.append(int(v))
-    return out
-
-
 def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
     """The bucket plan: a list of buckets, each a sorted list of gradient indices.
 
@@ -414,15 +397,11 @@ class DistributedGradReducer:
                     raise invalid(f"parameters[{i}].dtype", fam.dtype_name(dt),
                                   "a floating or complex dtype (" + ", ".join(_FLOAT_NAMES) + ")")
             if mean is None:
-                from .context import get_auto_parallel_context
-
                 mean = get_auto_parallel_context("gradients_mean")
             if not isinstance(mean, (bool, np.bool_)):
                 raise invalid("mean", mean, "True, False or None (the context's gradients_mean)")
             cap = check_bucket_cap_mb(bucket_cap_mb)
             if fusion_config is None:
-                from .context import get_auto_parallel_context
-
                 fusion_config = get_auto_parallel_context("all_reduce_fusion_config") or None
             fc = check_fusion_config(fusion_config)
             if compression not in COMPRESSIONS:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import invalid
+from .._state import require_init
+from ..errors import invalid
 
 
 def _int(name, v, lo, allowed):
@@ -29,8 +30,6 @@ class DistributedSampler:
                  drop_last=False):
         self.num_samples = _int("num_samples", num_samples, 0, "an int >= 0 (the size of the data set)")
         if num_shards is None or shard_id is None:
-            from ._state import require_init
-
             ctx = require_init("DistributedSampler(num_shards=None or shard_id=None)")
             num_shards = ctx.world.size if num_shards is None else num_shards
             shard_id = ctx.world.rank if shard_id is None else shard_id

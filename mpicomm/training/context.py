@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidArgumentError, invalid
+from .._state import CTX
+from ..errors import InvalidArgumentError, invalid
 
 PARALLEL_MODES = ("stand_alone", "data_parallel")
 
@@ -38,6 +39,24 @@ def _bool(key, v):
     return bool(v)
 
 
+def check_fusion_config(fc, arg="fusion_config"):
+    """Validate MindSpore split points: strictly increasing 0-based ints; returns a list."""
+    if fc is None:
+        return None
+    allowed = ("a strictly increasing list of 0-based gradient indices >= 0 (inclusive ends of "
+               "the fused segments, in forward order), e.g. [20, 35]")
+    if not isinstance(fc, (list, tuple)):
+        raise invalid(arg, fc, allowed)
+    out = []
+    for v in fc:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise invalid(arg, list(fc), allowed + f" (bad entry: {v!r})")
+        if out and v <= out[-1]:
+            raise invalid(arg, list(fc), allowed + f" ({v} does not follow {out[-1]})")
+        out.append(int(v))
+    return out
+
+
 def _check(key, v):
     if key == "parallel_mode":
         if v not in PARALLEL_MODES:
@@ -47,8 +66,6 @@ def _check(key, v):
     if key in ("gradients_mean", "parameter_broadcast", "gradient_fp32_sync"):
         return _bool(key, v)
     if key == "all_reduce_fusion_config":
-        from .buckets import check_fusion_config
-
         return check_fusion_config(v, key)
     if key == "device_num":
         return _int_in(key, v, 1, 4096)
@@ -80,8 +97,6 @@ def get_auto_parallel_context(key):
         raise invalid("key", key, "one of " + ", ".join(sorted(_DEFAULTS)))
     v = _VALUES[key]
     if v is None:
-        from ._state import CTX
-
         if key == "device_num":
             return CTX.world.size if CTX.initialized else 1
         return CTX.world.rank if CTX.initialized else 0

@@ -1,0 +1,19 @@
+"""Data-parallel training helpers, built on the collectives of :mod:`mpicomm`.
+
+- :mod:`~mpicomm.training.buckets`: gradient fusion (:class:`DistributedGradReducer`,
+  :func:`all_reduce_coalesced`, :func:`broadcast_parameters`, ``plan_buckets``).
+- :mod:`~mpicomm.training.context`: the auto-parallel context, MindSpore's process-wide
+  data-parallel settings (:func:`set_auto_parallel_context` and its get and reset).
+- :mod:`~mpicomm.training.sampler`: :class:`DistributedSampler`, each rank's share of a
+  data set's indices.
+
+The same names are reachable as ``mpicomm.DistributedGradReducer`` and so on; ``import
+mpicomm`` loads this package only when one of them is first used.
+"""
+from .buckets import DistributedGradReducer, all_reduce_coalesced, broadcast_parameters
+from .context import get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context
+from .sampler import DistributedSampler
+
+__all__ = ["DistributedGradReducer", "all_reduce_coalesced", "broadcast_parameters",
+           "set_auto_parallel_context", "get_auto_parallel_context", "reset_auto_parallel_context",
+           "DistributedSampler"]
