@@ -373,7 +373,7 @@ class Setup:
     """
 
     def __init__(self, b, coll, count):
-        from .smoke import make_data, reduce_keys
+        from ..smoke import make_data, reduce_keys
 
         self.b = b
         mc, xp, n, rank, dt, op, root = b.mc, b.xp, b.n, b.rank, b.dt, b.op, b.root
@@ -448,7 +448,7 @@ class Setup:
             self.raw_oop = None
 
     def _count_wrong(self, got):
-        from .smoke import count_wrong
+        from ..smoke import count_wrong
 
         b = self.b
         if self.coll == "reduce" and b.rank != b.root:
@@ -483,7 +483,7 @@ class RawMPI:
     def __init__(self, comm, dt, op, root, n):
         from mpi4py import MPI
 
-        from ..arrays import dtype_info
+        from ..._arrays import dtype_info
 
         self.MPI = MPI
         self.comm = comm
@@ -546,7 +546,7 @@ class RawNCCL:
         import cupy
         from cupy.cuda import nccl
 
-        from ..arrays import dtype_info
+        from ..._arrays import dtype_info
 
         uid = nccl.get_unique_id() if rank == 0 else None
         uid = mpi_comm.bcast(uid, root=0)
@@ -612,7 +612,7 @@ class Bench:
         import mpicomm as mc
         from mpi4py import MPI
 
-        from .smoke import np_dtype
+        from ..smoke import np_dtype
 
         mc.init(args.backend)
         self.mc = mc
@@ -629,7 +629,7 @@ class Bench:
         if self.backend == "nccl":
             import cupy
 
-            from .._state import CTX
+            from ..._state import CTX
 
             self.xp = cupy
             cupy.cuda.Device(CTX.device_id).use()
@@ -739,7 +739,7 @@ def run_sizes(b, sizes, progress):
 
 def run_buckets(b, progress):
     """Time the ResNet-50 gradient set per tensor, with default buckets and as one buffer."""
-    from .smoke import make_data
+    from ..smoke import make_data
 
     a = b.args
     mc, n = b.mc, b.n
@@ -889,7 +889,7 @@ def _validate(args):
         raise ValueError(f"invalid -o {args.op!r}: expected one of {', '.join(OPS)}")
     args.op = op
     if args.coll in REDUCING:
-        from .smoke import np_dtype, ops_for
+        from ..smoke import np_dtype, ops_for
 
         allowed = ops_for(np_dtype(d))
         if op not in allowed:
@@ -978,6 +978,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ._common import exit_cleanly
+    from .._common import exit_cleanly
 
     exit_cleanly(main())
