@@ -5,19 +5,17 @@ it returns a :class:`mpicomm.Work` whose ``wait()`` returns the result. Results 
 out-of-place by default (a new array of the input's type); ``out=`` writes into a
 given array and ``out=x`` works in place. ``root``, ``dst`` and ``src`` are ranks of
 the group. GPU arrays take ``stream=`` (default: CuPy's current stream, PyTorch's for
-tensors).
+tensors). Each function finds the group and hands the call to its dispatcher
+(mpicomm._dispatch), which validates a new signature once and reuses it after.
 """
 from __future__ import annotations
 
+from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, RECV, REDUCE, REDUCE_SCATTER, SEND, ReduceOp,
+                   as_op)
 from ._state import CTX, get_group
-from ._ops import ReduceOp, as_op
 
-# collective codes for the reliability hooks (mpicomm._reliability._CODES)
-_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _BROADCAST, _REDUCE, _ALL_TO_ALL, _BARRIER = range(1, 8)
-
-
-# The front functions are the hot path of every call: each line below costs tens of
-# nanoseconds, so the group and op look-ups are written out rather than called.
+# These functions are the first step of every call: the group look-up is written out
+# (CTX.world for the default group) rather than called.
 
 
 def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=None):
@@ -31,10 +29,7 @@ def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=
         g = get_group(group)
     if op.__class__ is not ReduceOp:
         op = as_op(op)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _ALL_REDUCE, x, async_op, g.impl.all_reduce, (x, op, out, async_op, stream))
-    return g.impl.all_reduce(x, op, out, async_op, stream)
+    return g.call(ALL_REDUCE, x, out, op, async_op, stream)
 
 
 def all_gather(x, out=None, group=None, async_op=False, stream=None):
@@ -42,10 +37,7 @@ def all_gather(x, out=None, group=None, async_op=False, stream=None):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _ALL_GATHER, x, async_op, g.impl.all_gather, (x, out, async_op, stream))
-    return g.impl.all_gather(x, out, async_op, stream)
+    return g.call(ALL_GATHER, x, out, None, async_op, stream)
 
 
 def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=None):
@@ -58,11 +50,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, str
         g = get_group(group)
     if op.__class__ is not ReduceOp:
         op = as_op(op)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _REDUCE_SCATTER, x, async_op, g.impl.reduce_scatter,
-                     (x, op, out, async_op, stream))
-    return g.impl.reduce_scatter(x, op, out, async_op, stream)
+    return g.call(REDUCE_SCATTER, x, out, op, async_op, stream)
 
 
 def broadcast(x, root=0, group=None, async_op=False, stream=None):
@@ -70,10 +58,7 @@ def broadcast(x, root=0, group=None, async_op=False, stream=None):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _BROADCAST, x, async_op, g.impl.broadcast, (x, root, async_op, stream))
-    return g.impl.broadcast(x, root, async_op, stream)
+    return g.call(BROADCAST, x, None, root, async_op, stream)
 
 
 def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, stream=None):
@@ -83,10 +68,7 @@ def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, str
         g = get_group(group)
     if op.__class__ is not ReduceOp:
         op = as_op(op)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _REDUCE, x, async_op, g.impl.reduce, (x, op, root, out, async_op, stream))
-    return g.impl.reduce(x, op, root, out, async_op, stream)
+    return g.call(REDUCE, x, out, (op, root), async_op, stream)
 
 
 def all_to_all(x, out=None, group=None, async_op=False, stream=None):
@@ -94,10 +76,7 @@ def all_to_all(x, out=None, group=None, async_op=False, stream=None):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _ALL_TO_ALL, x, async_op, g.impl.all_to_all, (x, out, async_op, stream))
-    return g.impl.all_to_all(x, out, async_op, stream)
+    return g.call(ALL_TO_ALL, x, out, None, async_op, stream)
 
 
 def send(x, dst, group=None, tag=0, async_op=False, stream=None):
@@ -105,7 +84,7 @@ def send(x, dst, group=None, tag=0, async_op=False, stream=None):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    return g.impl.send(x, dst, tag, async_op, stream)
+    return g.disp.point_to_point(SEND, x, dst, tag, async_op, stream)
 
 
 def recv(out, src, group=None, tag=0, async_op=False, stream=None):
@@ -113,7 +92,7 @@ def recv(out, src, group=None, tag=0, async_op=False, stream=None):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    return g.impl.recv(out, src, tag, async_op, stream)
+    return g.disp.point_to_point(RECV, out, src, tag, async_op, stream)
 
 
 def barrier(group=None, async_op=False):
@@ -121,10 +100,7 @@ def barrier(group=None, async_op=False):
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    h = CTX.hooks
-    if h is not None:
-        return h.run(g, _BARRIER, None, async_op, g.impl.barrier, (async_op,))
-    return g.impl.barrier(async_op)
+    return g.disp.barrier(async_op)
 
 
 # ---------------------------------------------------------------- MindSpore-style ops

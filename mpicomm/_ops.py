@@ -1,5 +1,14 @@
-"""Reduction operators and what each dtype allows."""
+"""Reduction operators, what each transport calls them, and the collective codes.
+
+The one table of reduction ops: per :class:`ReduceOp`, the MPI op, the NCCL op (the
+name of a ``cupy.cuda.nccl`` constant, with nccl.h's value where CuPy lacks it) and
+the NumPy ufunc the shared-memory path reduces with. AVG travels as SUM on MPI and
+is divided afterwards. The collective codes number the collectives for the progress
+records and the debug descriptors.
+"""
 import enum
+
+import numpy as np
 
 from .errors import invalid
 
@@ -17,12 +26,19 @@ class ReduceOp(str, enum.Enum):
         return self.value
 
 
+#       op             MPI op   NCCL op (name, nccl.h value)  ufunc
+_ROWS = ((ReduceOp.SUM, "SUM", ("NCCL_SUM", 0), np.add),
+         (ReduceOp.PROD, "PROD", ("NCCL_PROD", 1), np.multiply),
+         (ReduceOp.MIN, "MIN", ("NCCL_MIN", 3), np.minimum),
+         (ReduceOp.MAX, "MAX", ("NCCL_MAX", 2), np.maximum),
+         (ReduceOp.AVG, "SUM", ("NCCL_AVG", 4), np.add))
+
+UFUNC = {op: uf for op, _, _, uf in _ROWS}
+
 _BY_NAME = {}
 for _op in ReduceOp:
-    _BY_NAME[_op] = _op
-    _BY_NAME[_op.value] = _op
-    _BY_NAME[_op.name] = _op
-    _BY_NAME[_op.value.upper()] = _op
+    for _k in (_op, _op.value, _op.name, _op.value.upper()):
+        _BY_NAME[_k] = _op
 _BY_NAME["mean"] = ReduceOp.AVG
 
 ALLOWED_OPS = "one of ReduceOp.SUM, PROD, MIN, MAX, AVG (or 'sum', 'prod', 'min', 'max', 'avg')"
@@ -36,17 +52,36 @@ def as_op(op):
         raise invalid("op", op, ALLOWED_OPS) from None
 
 
-# kind codes of numpy dtypes: 'f' float, 'c' complex, 'i' signed, 'u' unsigned, 'V' bfloat16 (ml_dtypes)
-def check_op_dtype(op, dtype, floating, complex_):
-    """Raise if ``op`` is not defined for ``dtype``.
+def mpi_ops():
+    """ReduceOp -> mpi4py op."""
+    from mpi4py import MPI
+
+    return {op: getattr(MPI, m) for op, m, _, _ in _ROWS}
+
+
+def nccl_ops(nccl):
+    """ReduceOp -> ncclRedOp_t, from CuPy's nccl module."""
+    return {op: getattr(nccl, name, value) for op, _, (name, value), _ in _ROWS}
+
+
+def check_op_dtype(op, row):
+    """Raise if ``op`` is not defined for dtype row ``row`` (mpicomm._dtypes.DType).
 
     AVG needs a floating or complex dtype (an integer mean would truncate silently);
     MIN and MAX have no meaning for complex numbers, and PROD of complex numbers is
     not element-wise over (real, imag) so the NCCL backend could not do it: complex
     dtypes allow SUM and AVG only, on both backends.
     """
-    if op is ReduceOp.AVG and not (floating or complex_):
-        raise invalid("op", op.value, f"SUM, PROD, MIN or MAX for integer dtype {dtype}; "
+    if op is ReduceOp.AVG and not (row.floating or row.complex):
+        raise invalid("op", op.value, f"SUM, PROD, MIN or MAX for integer dtype {row.name}; "
                       "AVG needs a floating dtype (cast first, or reduce with SUM and divide)")
-    if complex_ and op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise invalid("op", op.value, f"SUM or AVG for complex dtype {dtype}")
+    if row.complex and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise invalid("op", op.value, f"SUM or AVG for complex dtype {row.name}")
+
+
+# The collective codes (4 bits in the progress records).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+               "barrier", "send", "recv")
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, ALL_TO_ALL, BARRIER, SEND, RECV = \
+    range(1, len(COLLECTIVES) + 1)
+NAMES = dict(enumerate(COLLECTIVES, 1))

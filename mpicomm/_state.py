@@ -13,19 +13,21 @@ DEFAULT_TIMEOUT = 600.0  # seconds; MPICOMM_TIMEOUT overrides, init(timeout=) wi
 
 
 class Group:
-    """A named set of world ranks with its own MPI communicator and backend communicator."""
+    """A named set of world ranks with its own MPI communicator, transport and dispatcher."""
 
-    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "impl", "seq", "row", "__weakref__")
+    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "transport", "seq", "disp", "call",
+                 "__weakref__")
 
-    def __init__(self, name, ranks, rank, mpi_comm, impl):
+    def __init__(self, name, ranks, rank, mpi_comm, transport):
         self.name = name
         self.ranks = tuple(ranks)      # world rank of each group rank
         self.rank = rank               # this process's rank in the group
         self.size = len(ranks)
         self.mpi_comm = mpi_comm       # an mpicomm-owned MPI communicator (never the user's)
-        self.impl = impl               # the backend's communicator object
+        self.transport = transport     # the backend's transport (None on ranks outside the group)
         self.seq = 0                   # collectives issued on this group so far
-        self.row = None                # index of its progress row in the reliability window
+        self.disp = None               # its Dispatcher (mpicomm._dispatch)
+        self.call = None               # disp.call: what every collective of the group runs
 
     def __repr__(self):
         return f"Group({self.name!r}, ranks={list(self.ranks)})"
@@ -49,7 +51,7 @@ class Context:
         self.debug = False
         self.abort_on_exception = True
         self.device_id = None
-        self.hooks = None            # reliability: watchdog / debug checker (mpicomm._reliability)
+        self.reliability = None      # progress, watchdog, debug check (mpicomm._reliability)
 
 
 CTX = Context()
@@ -79,7 +81,7 @@ def get_group(group):
         known = ", ".join(sorted(ctx.groups)) or "none"
         raise invalid("group", group, f"the world or a group made by create_group (groups on "
                       f"rank {ctx.world.rank}: {known})")
-    if g.impl is None:
+    if g.transport is None:
         raise invalid("group", group, f"a group this rank belongs to (world rank {ctx.world.rank} "
                       f"is not in {list(g.ranks)})")
     return g

@@ -4,8 +4,12 @@ from __future__ import annotations
 import os
 
 from . import _state
-from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_float, get_group, require_init
 from ._backends import get_backend_class, names as backend_names
+from ._backends.base import Work
+from ._dispatch import Dispatcher
+from ._reliability import Reliability
+from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
+from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
@@ -13,8 +17,6 @@ def _pick_backend(backend):
     if backend is None:
         backend = os.environ.get("MPICOMM_BACKEND") or None
     if backend is None:
-        from ._topology import gpu_count
-
         return "nccl" if gpu_count() > 0 else "mpi"
     if not isinstance(backend, str) or backend.lower() not in backend_names():
         get_backend_class(backend)  # raises, listing the names
@@ -41,7 +43,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
         raise invalid("timeout", timeout, "a number of seconds >= 0 (0 disables the timeout)")
     if debug is None:
-        debug = os.environ.get("MPICOMM_DEBUG", "0").lower() not in ("", "0", "false", "no", "off")
+        debug = env_bool("MPICOMM_DEBUG", False)
     name = _pick_backend(backend)
     key = (name, float(timeout), bool(debug), bool(abort_on_exception))
     if CTX.initialized:
@@ -51,9 +53,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
                       "the same arguments as the first call "
                       f"{dict(zip(('backend', 'timeout', 'debug', 'abort_on_exception'), CTX.init_key))} "
                       "(call finalize() first to change them)")
-    from mpi4py import MPI
-
-    from ._topology import local_comm
+    from mpi4py import MPI  # here, not at import: importing mpicomm must not start MPI
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -75,7 +75,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
             + "; set MPICOMM_BACKEND (or pass backend=) alike on every rank")
     err = None
     try:
-        backend_obj = get_backend_class(name)(CTX)
+        backend_obj = get_backend_class(name)(CTX.local_rank)
     except BackendUnavailableError as e:
         err = e
     errs = world.allgather(None if err is None else str(err))
@@ -89,25 +89,32 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
                                       f"{next(e for e in errs if e)}")
     CTX.backend_name = name
     CTX.backend = backend_obj
-    CTX.world = Group(WORLD, range(world.Get_size()), world.Get_rank(), world, backend_obj.make_comm(world))
+    CTX.device_id = backend_obj.device_id
+    CTX.world = Group(WORLD, range(world.Get_size()), world.Get_rank(), world, backend_obj.make_transport(world))
     CTX.groups = {}
+    CTX.reliability = Reliability(CTX)
+    _attach(CTX, CTX.world)
+    Work.default_timeout = CTX.timeout or None
     CTX.init_key = key
     CTX.initialized = True
-    from . import _reliability
+    CTX.reliability.start()
 
-    _reliability.install(CTX)
+
+def _attach(ctx, g):
+    """Give group ``g`` its dispatcher (its progress row; in debug mode, the checked transport)."""
+    rel = ctx.reliability
+    g.disp = Dispatcher(g, rel.wrap(g.transport, g), rel.progress.m, rel.row(g), rel.watchdog.work_timeout)
+    g.call = g.disp.call
 
 
 def finalize():
     """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
     if not CTX.initialized:
         return
-    from . import _reliability
-
-    _reliability.uninstall(CTX)
+    CTX.reliability.close(free=True)
     for g in list(CTX.groups.values()) + [CTX.world]:
-        if g.impl is not None:
-            g.impl.close()
+        if g.transport is not None:
+            g.transport.close()
         if g.mpi_comm is not None:
             g.mpi_comm.Free()
     if CTX.local_comm is not None:
@@ -224,12 +231,11 @@ def create_group(group, rank_ids):
 
     sub = world.mpi_comm.Create(world.mpi_comm.Get_group().Incl(ids))
     if sub == MPI.COMM_NULL:
-        ctx.groups[group] = Group(group, ids, None, None, None)
+        g = ctx.groups[group] = Group(group, ids, None, None, None)
+        ctx.reliability.name(g)
         return
-    g = ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_comm(sub))
-    from . import _reliability
-
-    _reliability.on_group(ctx, g)
+    g = ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_transport(sub))
+    _attach(ctx, g)
 
 
 def destroy_group(group):
@@ -242,10 +248,8 @@ def destroy_group(group):
                       + (", ".join(sorted(ctx.groups)) or "none") + ")")
     g = ctx.groups.pop(group)
     ctx.world.mpi_comm.Barrier()
-    from . import _reliability
-
-    _reliability.on_group_destroyed(ctx, g)
-    if g.impl is not None:
-        g.impl.close()
+    ctx.reliability.forget(g)
+    if g.transport is not None:
+        g.transport.close()
     if g.mpi_comm is not None:
         g.mpi_comm.Free()

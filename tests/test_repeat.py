@@ -1,7 +1,7 @@
-"""Repeated calls with the same arrays: the backends repeat a validated call without
-checking again (mpicomm._backends.base.Replay). New contents, a new op or root, and
-arrays whose shape or dtype was changed in place must all still give the right result
-or the right error. Expectations are computed with NumPy from every rank's data."""
+"""Repeated calls: the dispatcher reuses a validated call for any arrays of the same
+signature (mpicomm._dispatch). New contents, new arrays, a new op or root, and arrays
+whose shape or dtype was changed in place must all still give the right result or the
+right error. Expectations are computed with NumPy from every rank's data."""
 import zlib
 
 import numpy as np
@@ -137,15 +137,13 @@ def test_broadcast_repeated_roots(comm):
 
 
 def test_large_arrays_repeat_without_being_kept_alive(comm):
-    """all_gather and broadcast of arrays above REPLAY_MAX repeat through weak references:
-    right results with new contents and shapes, and the arrays are freed when dropped."""
+    """all_gather and broadcast of large arrays repeat: right results with new contents and
+    shapes, and the reused calls keep no array alive once it is dropped."""
     import gc
     import weakref
 
-    from mpicomm._backends.base import REPLAY_MAX
-
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
-    k = REPLAY_MAX // 4 + 1001  # float32 elements per rank: above the strong-reference limit
+    k = 65536 + 1001  # float32 elements per rank (above 256 KiB)
     x = np.empty(k, np.float32)
     o = np.empty(n * k, np.float32)
     b = np.empty(2 * k, np.int32)
@@ -164,3 +162,94 @@ def test_large_arrays_repeat_without_being_kept_alive(comm):
     del x, o, b
     gc.collect()
     assert wx() is None and wo() is None and wb() is None
+
+
+def _expect(key, step, shape, dt, fn):
+    return fn(np.stack(all_data(key, step, shape, dt)))
+
+
+@pytest.mark.parametrize("role", ["new", "out", "inplace"])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX])
+def test_new_arrays_every_call(comm, role, op):
+    """A training loop's pattern: a new input (and out=) array of the same signature each
+    call; the reused call binds the new arrays and gives each call's own result."""
+    r = mpicomm.get_rank()
+    red = {ReduceOp.SUM: lambda a: a.sum(0), ReduceOp.AVG: lambda a: a.sum(0) / len(a),
+           ReduceOp.MAX: lambda a: a.max(0)}[op]
+    for step in range(6):
+        x = rank_data(r, f"fresh-{op}", step, (4, 3), np.float64)
+        want = _expect(f"fresh-{op}", step, (4, 3), np.float64, red)
+        if role == "new":
+            got = mpicomm.all_reduce(x, op)
+            assert got is not x
+        elif role == "out":
+            o = np.full((4, 3), np.nan)
+            got = mpicomm.all_reduce(x, op, out=o)
+            assert got is o
+        else:
+            got = mpicomm.all_reduce(x, op, out=x)
+            assert got is x
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_new_arrays_every_call_other_collectives(comm):
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    for step in range(5):
+        x = rank_data(r, "fresh-ag", step, (2, 3), np.int32)
+        np.testing.assert_array_equal(mpicomm.all_gather(x), np.concatenate(all_data("fresh-ag", step, (2, 3), np.int32)))
+        o = np.empty((2 * n, 3), np.int32)
+        assert mpicomm.all_gather(x, out=o) is o
+        np.testing.assert_array_equal(o, np.concatenate(all_data("fresh-ag", step, (2, 3), np.int32)))
+        x = rank_data(r, "fresh-rs", step, (2 * n, 2), np.int64)
+        total = np.sum(all_data("fresh-rs", step, (2 * n, 2), np.int64), axis=0)
+        np.testing.assert_array_equal(mpicomm.reduce_scatter(x), total[2 * r:2 * r + 2])
+        root = step % n
+        b = rank_data(r, "fresh-bc", step, 5, np.float32)
+        assert mpicomm.broadcast(b, root) is b
+        np.testing.assert_array_equal(b, rank_data(root, "fresh-bc", step, 5, np.float32))
+        x = rank_data(r, "fresh-red", step, 6, np.int64)
+        got = mpicomm.reduce(x, root=root)
+        if r == root:
+            np.testing.assert_array_equal(got, np.sum(all_data("fresh-red", step, 6, np.int64), axis=0))
+        else:
+            assert got is None
+        x = rank_data(r, "fresh-a2a", step, (n, 2), np.float64)
+        got = mpicomm.all_to_all(x)
+        np.testing.assert_array_equal(got, np.stack([a[r] for a in all_data("fresh-a2a", step, (n, 2), np.float64)]))
+
+
+def test_reused_call_still_checks_each_array(comm):
+    """What can differ between arrays of one signature is checked on every call, also when
+    the call is reused: a non-contiguous input is copied, a read-only, non-contiguous or
+    overlapping out= is refused, a view of exactly x's memory works in place."""
+    r = mpicomm.get_rank()
+    want = np.sum(all_data("chk", 0, 8, np.float32), axis=0)
+    for _ in range(2):  # the second round takes the reused call
+        x = rank_data(r, "chk", 0, 8, np.float32)
+        np.testing.assert_array_equal(mpicomm.all_reduce(x, out=np.empty(8, np.float32)), want)
+    wide = np.empty((8, 2), np.float32)
+    wide[:, 0] = rank_data(r, "chk", 0, 8, np.float32)
+    np.testing.assert_array_equal(mpicomm.all_reduce(wide[:, 0], out=np.empty(8, np.float32)), want)
+    ro = np.empty(8, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        mpicomm.all_reduce(x, out=ro)
+    with pytest.raises(InvalidArgumentError, match="non-contiguous"):
+        mpicomm.all_reduce(x, out=np.empty((8, 2), np.float32)[:, 1])
+    buf = np.zeros(9, np.float32)
+    buf[:8] = rank_data(r, "chk", 0, 8, np.float32)
+    with pytest.raises(InvalidArgumentError, match="overlaps x"):
+        mpicomm.all_reduce(buf[:8], out=buf[1:9])
+    y = rank_data(r, "chk", 0, 8, np.float32)
+    assert mpicomm.all_reduce(y, out=y.view()) is not None
+    np.testing.assert_array_equal(y, want)
+    for _ in range(2):  # in place, reused, then on a read-only array
+        y = rank_data(r, "chk", 0, 8, np.float32)
+        assert mpicomm.all_reduce(y, out=y) is y
+        np.testing.assert_array_equal(y, want)
+    y.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        mpicomm.all_reduce(y, out=y)
+    # the reused call is still right after the errors
+    np.testing.assert_array_equal(mpicomm.all_reduce(rank_data(r, "chk", 0, 8, np.float32),
+                                                     out=np.empty(8, np.float32)), want)

@@ -1,7 +1,7 @@
-"""The single-host shared-memory path of the MPI backend (mpicomm/backends/shm.py).
+"""The single-host shared-memory path of the MPI backend (mpicomm/_backends/shm.py).
 
 Most tests lower the thresholds to a few hundred bytes and the piece to 4 KiB (on the
-group's MPIComm, alike on every rank), so that small arrays take the path, in several
+group's MPI transport, alike on every rank), so that small arrays take the path, in several
 pieces; expectations are computed with NumPy from every rank's data, and results are
 also compared with the ordinary (Open MPI) path. At 1 rank the path is never taken and
 the same calls check the ordinary path.
@@ -50,13 +50,13 @@ def same_on_every_rank(group, a):
 
 
 def impl(group=None):
-    """The group's MPI communicator object (under NCCL, the one host arrays take)."""
-    i = mpicomm._state.get_group(group).impl
-    return getattr(i, "host", i)
+    """The group's shared-memory strategy (under NCCL, that of the MPI transport host arrays take)."""
+    t = mpicomm._state.get_group(group).transport
+    return getattr(t, "host", t).shm
 
 
 def calls(group, name):
-    s = impl(group).shm
+    s = impl(group).group
     return 0 if s is None else s.calls[name]
 
 
@@ -73,21 +73,21 @@ def groups(comm):
         mpicomm.create_group("shm_rev", sub_ranks(n))
     mine = [None] + (["shm_rev"] if mpicomm.get_rank() in sub_ranks(n) else [])
     for name in mine:
-        _shm.configure(impl(name), {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+        impl(name).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
     yield mine
     for name in mine:
-        _shm.configure(impl(name))
-        if impl(name).shm is not None:
-            impl(name).shm.set_piece()
+        impl(name).configure()
+        if impl(name).group is not None:
+            impl(name).group.set_piece()
 
 
 def small_pieces(group):
     """Open the group's window if the path is available, and make pieces small."""
     m = impl(group)
-    if m.size > 1 and m.shm is None:
-        _shm._group(m)
-    if m.shm is not None:
-        m.shm.set_piece(PIECE)
+    if m.size > 1 and m.group is None:
+        m.open()
+    if m.group is not None:
+        m.group.set_piece(PIECE)
     return m
 
 
@@ -133,13 +133,13 @@ def test_all_reduce_same_as_ordinary_path(groups, dt):
         y = mpicomm.all_reduce(x, group=group)
         y2 = mpicomm.all_reduce(x, group=group)
         assert digest(y) == digest(y2)
-        _shm.disable(m)
+        m.disable()
         try:
             before = calls(group, "all_reduce")
             z = mpicomm.all_reduce(x, group=group)
             assert calls(group, "all_reduce") == before
         finally:
-            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+            m.configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
         if np.dtype(dt).kind in "iu" or m.size <= 2:
             np.testing.assert_array_equal(y, z)
         else:
@@ -177,7 +177,7 @@ def test_uneven_counts(groups, count):
     _shm_all = {"MPICOMM_SHM_THRESHOLD": "1"}
     for group in groups:
         m = small_pieces(group)
-        _shm.configure(m, _shm_all)
+        m.configure(_shm_all)
         try:
             x, arrs = rank_data(group, f"uneven{count}", (count,), np.int64)
             before = calls(group, "all_reduce")
@@ -192,7 +192,7 @@ def test_uneven_counts(groups, count):
             assert_close(mpicomm.reduce_scatter(xs, group=group),
                          reduce_np(arrs, ReduceOp.SUM)[m.rank * count:(m.rank + 1) * count])
         finally:
-            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+            m.configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
 
 
 # --------------------------------------------------------------------------- the others
@@ -232,13 +232,13 @@ def test_all_gather_and_broadcast_match_numpy(groups, dt):
 def test_scalar_all_gather(groups):
     for group in groups:
         small_pieces(group)
-        _shm.configure(impl(group), {"MPICOMM_SHM_THRESHOLD": "1"})
+        impl(group).configure({"MPICOMM_SHM_THRESHOLD": "1"})
         try:
             x, arrs = rank_data(group, "scalar", (), np.float64)
             assert_close(mpicomm.all_gather(x, group=group), np.stack(arrs))
             assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
         finally:
-            _shm.configure(impl(group), {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+            impl(group).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
 
 
 # --------------------------------------------------------------------------- async, mixing
@@ -271,7 +271,7 @@ def test_async_and_interleaved(groups):
         assert_close(small, reduce_np(arrs_s, ReduceOp.SUM))
         assert_close(blocking, reduce_np(arrs_c, ReduceOp.MIN))
         if impl(group).size > 1:  # only the blocking all_reduce took the path
-            assert calls(group, "all_reduce") == before + (impl(group).shm is not None)
+            assert calls(group, "all_reduce") == before + (impl(group).group is not None)
 
 
 def test_async_polling_completes(groups):
@@ -290,9 +290,9 @@ def test_async_polling_completes(groups):
 def test_window_grows_and_results_stay_right(groups):
     for group in groups:
         m = small_pieces(group)
-        if m.shm is None:
+        if m.group is None:
             continue
-        g = m.shm
+        g = m.group
         g.set_piece(1 << 30)                 # one piece per message: the window must grow
         try:
             grows = g.grows
@@ -312,9 +312,9 @@ def test_both_ways_of_waiting(groups):
     same results, for every collective, with many pieces."""
     for group in groups:
         m = small_pieces(group)
-        if m.shm is None:
+        if m.group is None:
             continue
-        g = m.shm
+        g = m.group
         crowded = g.crowded
         try:
             for mode in (not crowded, crowded):
@@ -337,9 +337,9 @@ def test_piece_tuner_agrees_and_keeps_results(groups):
     piece at every call, results stay exact whichever piece runs, and both are tried."""
     for group in groups:
         m = small_pieces(group)
-        if m.shm is None:
+        if m.group is None:
             continue
-        g = m.shm
+        g = m.group
         try:
             g.cands, g.piece = (PIECE, 4 * PIECE), PIECE
             tc, used = g.tc, set()
@@ -368,9 +368,9 @@ def test_tuner_may_choose_open_mpi_where_results_are_the_same(groups, dt, inplac
     rank makes the same choice at every call, and the results do not depend on it."""
     for group in groups:
         m = small_pieces(group)
-        if m.shm is None:
+        if m.group is None:
             continue
-        g = m.shm
+        g = m.group
         n = g.size
         allowed = np.dtype(dt).kind in "iu" or n == 2
         try:
@@ -400,14 +400,14 @@ def test_real_threshold(groups):
     for group in groups:
         m = impl(group)
         if m.size > 1:
-            _shm._group(m)                   # open: crowded or not is known from here on
-        _shm.configure(m, {})
+            m.open()                         # open: crowded or not is known from here on
+        m.configure({})
         try:
-            t = m.shm_min_all_reduce
+            t = m.min_all_reduce
             if m.size == 1:
                 assert t == _shm.NEVER
                 continue
-            if m.shm is not None and m.shm.crowded:
+            if m.group is not None and m.group.crowded:
                 assert t == _shm.CROWDED_THRESHOLD
             else:
                 assert t == _shm.DEFAULT_THRESHOLD["all_reduce"]
@@ -417,14 +417,14 @@ def test_real_threshold(groups):
                 assert_close(mpicomm.all_reduce(x, group=group), reduce_np(arrs, ReduceOp.SUM))
                 expect_path(group, "all_reduce", before, taken)
         finally:
-            _shm.configure(m, {"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
+            m.configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
 
 
 def test_single_rank_never_takes_the_path(comm):
     if mpicomm.get_group_size() != 1:
         pytest.skip("needs a group of one rank: at 1 rank")
     m = impl()
-    assert m.shm_min_all_reduce == _shm.NEVER and m.shm is None
+    assert m.min_all_reduce == _shm.NEVER and m.group is None
 
 
 class _SplitAsIfOnOtherHosts:
@@ -445,7 +445,7 @@ class _SplitAsIfOnOtherHosts:
 def test_group_across_hosts_is_unavailable(comm):
     """The decision rule: unless every rank's shared-memory node is the whole group,
     ShmGroup.open says no (on every rank), and the collectives take the ordinary path."""
-    from mpicomm._backends.mpi import MPIComm
+    from mpicomm._backends.mpi import MPITransport
 
     world = mpicomm._state.CTX.world.mpi_comm
     if world.Get_size() == 1:
@@ -453,11 +453,13 @@ def test_group_across_hosts_is_unavailable(comm):
     dup = world.Dup()
     try:
         assert _shm.ShmGroup.open(_SplitAsIfOnOtherHosts(dup)) is None
-        mc = MPIComm(_SplitAsIfOnOtherHosts(dup))
-        _shm.configure(mc, {"MPICOMM_SHM_THRESHOLD": "1"})
+        mc = MPITransport(_SplitAsIfOnOtherHosts(dup))
+        mc.shm.configure({"MPICOMM_SHM_THRESHOLD": "1"})
         x = data(mpicomm.get_rank(), "hosts", (1000,), np.int32)
-        y = mc.all_reduce(x, ReduceOp.SUM, None, False)
-        assert mc.shm is None and mc.shm_min_all_reduce == _shm.NEVER
+        from mpicomm._ops import ALL_REDUCE
+
+        y = mc.prepare(ALL_REDUCE, x, None, ReduceOp.SUM, False, None).run(x, None)
+        assert mc.shm.group is None and mc.shm.min_all_reduce == _shm.NEVER
         assert_close(y, reduce_np([data(r, "hosts", (1000,), np.int32) for r in range(world.Get_size())],
                                   ReduceOp.SUM))
         # the real communicator, all on this host: available

@@ -1,23 +1,73 @@
-"""What every backend provides, and the handle of an asynchronous collective.
+"""What every transport provides: prepared calls, the handle of an asynchronous call.
 
-A backend is a factory of per-group communicators. Every communicator has the same
-methods with the same signature, whatever the transport (cupyx.distributed style):
+A backend makes one transport per group. The dispatcher (mpicomm._dispatch) asks the
+transport to ``prepare`` a call once per signature and then runs the prepared call
+for any arrays of that signature:
 
-    all_reduce(x, op, out, async_op, stream)      all_gather(x, out, async_op, stream)
-    reduce_scatter(x, op, out, async_op, stream)  broadcast(x, root, async_op, stream)
-    reduce(x, op, root, out, async_op, stream)    all_to_all(x, out, async_op, stream)
-    send(x, dst, tag, async_op, stream)           recv(out, src, tag, async_op, stream)
-    barrier(async_op)                             close()
+    prepare(code, x, out, arg, async_op, stream) -> Prepared
+        code: the collective (mpicomm._ops.ALL_REDUCE, ...); arg: the ReduceOp, the root,
+        or None. It validates everything the signature decides (dtype, shape, op, root,
+        the out= shape and dtype) and raises InvalidArgumentError alike on every rank.
+    Prepared.run(x, out) -> result (a Work with async_op)
+        binds this call's arrays: it checks and converts what can differ between arrays
+        of one signature (contiguity, writability, overlap of out= with x, the device)
+        and makes the transport call, then the post-steps (AVG's divide, the float32
+        round trip of 16-bit floats on MPI, the write-back into a non-NumPy out=).
+    point_to_point(code, x, peer, tag, async_op, stream)   send / recv, not cached
+    barrier(async_op)
+    group_start() / group_end()   calls issued in between are launched together (NCCL)
+    abort(), close()
 
-``op`` is already a :class:`mpicomm.ReduceOp`; ``root``, ``dst`` and ``src`` are group
-ranks. A communicator validates the arrays (dtype, shape, out) itself, since what is
-allowed depends on the transport.
+State the watchdog reads (never writes): ``last_stream`` (the stream of the last GPU
+call: an object, a PyTorch pool stream's handle, or None) and ``last_what`` (its
+collective name, shape and dtype). Transports import nothing
+from mpicomm's state, dispatch or reliability modules.
 """
 from __future__ import annotations
 
 import time
 
-from ..errors import CollectiveTimeoutError
+from .._ops import NAMES
+
+
+class Prepared:
+    """One validated call signature and the function that runs it for given arrays.
+
+    ``cls``, ``shape``, ``dtype``, ``arg``, ``role`` (0: a new output, 1: in place,
+    2: a given ``out=``), ``stream`` and ``async_op`` are the signature the dispatcher
+    compares; ``cls`` None means "never reuse" (arrays converted through the host by
+    a route that depends on more than these facts).
+    """
+
+    __slots__ = ("code", "cls", "shape", "dtype", "arg", "role", "stream", "async_op", "run")
+
+    def __init__(self, code, x, out, arg, async_op, stream, run, reuse=True):
+        self.code = code
+        self.cls = x.__class__ if reuse else None
+        self.shape = getattr(x, "shape", None)
+        self.dtype = getattr(x, "dtype", None)
+        self.arg = arg
+        self.role = 0 if out is None else (1 if out is x else 2)
+        self.stream = stream
+        self.async_op = async_op
+        self.run = run
+
+    @property
+    def name(self):
+        return NAMES.get(self.code, "?")
+
+    def describe(self):
+        shape = tuple(self.shape) if self.shape is not None else ()
+        return f"shape {shape}, dtype {str(self.dtype).replace('torch.', '')}"
+
+
+class _Never:
+    """The empty cache entry: no array's class is None's, so nothing matches it."""
+
+    cls = shape = dtype = arg = stream = async_op = role = None
+
+
+NEVER = _Never()
 
 
 class Work:
@@ -28,40 +78,45 @@ class Work:
     ``is_completed()`` tells without blocking.
     """
 
-    __slots__ = ("_result", "_done", "_what")
+    __slots__ = ("_result", "_done", "_what", "_post", "_on_timeout")
 
-    def __init__(self, result, what):
+    default_timeout = None          # set by init: the group's timeout (None: no limit)
+
+    def __init__(self, result, what, post=None):
         self._result = result
         self._done = False
-        self._what = what
+        self._what = what           # (name, shape, dtype) and, from the dispatcher, (group, seq)
+        self._post = post
+        self._on_timeout = None     # from the dispatcher: builds the timeout error with diagnosis
 
     def _poll(self):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _finish(self):
-        """Runs once, when the transfer has completed (post-processing, write-back)."""
+        self._done = True
+        if self._post is not None:
+            r = self._post()
+            if r is not None:
+                self._result = r
 
     def is_completed(self):
         if not self._done and self._poll():
             self._finish()
-            self._done = True
         return self._done
 
     def wait(self, timeout=None):
         """Block until the collective completes and return its result.
 
-        timeout: seconds (None: the timeout given to init, no limit where that is 0). Raises CollectiveTimeoutError naming the collective, its group and
-        sequence number and the ranks that have not reached it; the communicator is
-        then unusable (on NCCL it is aborted), and an uncaught error aborts the job.
+        timeout: seconds (None: the timeout given to init, no limit where that is 0).
+        Raises CollectiveTimeoutError naming the collective, its group and sequence
+        number and the ranks that have not reached it; the communicator is then
+        unusable (on NCCL it is aborted), and an uncaught error aborts the job.
         """
         if not self._done:
             if timeout is None:
-                from .._state import CTX
-
-                timeout = CTX.timeout or None
+                timeout = Work.default_timeout
             self._block(timeout)
             self._finish()
-            self._done = True
         return self._result
 
     def _block(self, timeout):
@@ -78,90 +133,37 @@ class Work:
         """Between polls: MPI needs polling for progress; GPU work does not."""
 
     def _timed_out(self, timeout):
-        import sys
+        from ..errors import CollectiveTimeoutError
 
-        from .. import _reliability
-
-        err = _reliability.timeout_error(self._what, timeout)
-        sys.stderr.write(f"{_reliability._rank_prefix()}CollectiveTimeoutError: {err}\n")
-        sys.stderr.flush()
-        self._abandon()
-        raise err
-
-    def _abandon(self):
-        """After a timeout: release what the transport holds (NCCL aborts its communicator)."""
+        if self._on_timeout is not None:
+            raise self._on_timeout(self._what, timeout)
+        name, shape, dtype = self._what[:3]
+        raise CollectiveTimeoutError(f"{name} (shape {shape}, dtype {dtype}) did not complete within {timeout:g} s")
 
     def __repr__(self):
         state = "completed" if self._done else "pending"
         return f"<mpicomm.Work {self._what[0]} {state}>"
 
 
-REPLAY_MAX = 256 * 1024  # bytes: the largest arrays a Replay keeps a reference to
+class DoneWork(Work):
+    """A Work whose operation completed before it was returned (e.g. a chunked large call)."""
 
+    __slots__ = ()
 
-class Replay:
-    """The last blocking call of one collective on one communicator that took the plain path.
-
-    Loops call a collective with the same arrays again and again. When ``x``, ``out`` and
-    ``op`` are the very objects of the last validated call, and ``x`` still has the shape
-    and dtype it had (NumPy lets code change both in place), the call is repeated with
-    the arguments prepared then, and no check is done twice. Only small arrays are kept
-    (up to REPLAY_MAX bytes), as the entry holds a reference to them; above that size the
-    checks cost nothing next to the transfer.
-    """
-
-    __slots__ = ("x", "out", "op", "shape", "dtype", "a", "b", "c", "d", "e", "f")
-
-    def __init__(self, x=None, out=None, op=None, a=None, b=None, c=None, d=None, e=None, f=None):
-        self.x = x if x is not None else _NEVER  # no array is the sentinel: an empty entry never matches
-        self.out, self.op = out, op
-        self.shape = x.shape if x is not None else None
-        self.dtype = x.dtype if x is not None else None
-        self.a, self.b, self.c, self.d, self.e, self.f = a, b, c, d, e, f
-
-
-_NEVER = object()
-NO_REPLAY = Replay()
-
-
-def _dead():
-    return None
-
-
-class WeakReplay:
-    """A Replay for arrays above REPLAY_MAX: it holds them by weak reference, so it never
-    keeps a large array alive, and the call's buffer specs are rebuilt each time (two
-    small lists). Used by the MPI backend's all_gather and broadcast, whose large
-    messages take Open MPI's path, where the checks showed up at 1 MiB."""
-
-    __slots__ = ("x", "out", "op", "shape", "dtype", "c", "dt")
-
-    def __init__(self, x=None, out=None, op=None, c=None, dt=None):
-        import weakref
-
-        self.x = weakref.ref(x) if x is not None else _dead
-        self.out = weakref.ref(out) if out is not None else _dead
-        self.op, self.c, self.dt = op, c, dt
-        self.shape = x.shape if x is not None else None
-        self.dtype = x.dtype if x is not None else None
-
-
-NO_WEAK = WeakReplay()
+    def _poll(self):
+        return True
 
 
 class Backend:
-    """A transport: makes one communicator per group."""
+    """A transport factory: one transport per group."""
 
     name = "base"
 
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def __init__(self, local_rank):
+        self.device_id = None
 
-    def make_comm(self, mpi_comm):  # pragma: no cover - abstract
+    def make_transport(self, mpi_comm):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def close(self):
         pass
-
-
-__all__ = ["Backend", "Work", "Replay", "NO_REPLAY", "WeakReplay", "NO_WEAK", "REPLAY_MAX", "CollectiveTimeoutError"]

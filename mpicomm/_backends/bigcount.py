@@ -2,93 +2,82 @@
 
 MPI counts are C ints. mpi4py 4 calls the MPI-4 large-count ``_c`` functions where
 the library has them, but Open MPI 5.0 rejects a count above INT_MAX with
-MPI_ERR_ARG, so mpicomm splits such arrays into pieces of at most ``CHUNK``
-elements and runs the ordinary collective on each (arrays of more than 2 GiB but
-fewer than 2**31 elements need nothing: the byte count is never an int). A large
-collective with ``async_op=True`` runs to completion before returning its Work.
-The backend dispatches here when ``x.size > mpi._MAX_COUNT`` (tests lower it).
+MPI_ERR_ARG, so such arrays go in pieces of at most ``CHUNK`` elements, each an
+ordinary collective made by the ``call`` the transport passes in. A large collective
+with ``async_op=True`` runs to completion before returning its Work.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .base import DoneWork
+
 CHUNK = 2 ** 30
 
 
-def _chunks(n, per=1):
-    """Pieces of range(n) such that ``per`` pieces together stay within MPI's count."""
-    from . import mpi
-
-    step = max(1, min(CHUNK, mpi._MAX_COUNT) // per)
+def pieces(n, per=1, chunk=CHUNK):
+    """Pieces ``(lo, hi)`` of range(n) such that ``per`` pieces together stay within ``chunk``."""
+    step = max(1, chunk // per)
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _done(c, result, async_op, what):
+def _done(result, fin, o, async_op, what):
+    if fin is not None:
+        result = fin(o)
     if not async_op:
         return result
-    from .mpi import MPIWork
-
-    return MPIWork([], result, None, what)
+    return DoneWork(result, what)
 
 
-def all_reduce(c, x, op, o, wb, back, async_op):
-    from .mpi import _finish
+def all_reduce(call, xh, o, fin, async_op, what):
+    """``call(a, b)`` all-reduces piece ``a`` into ``b`` (``b is a``: in place)."""
+    xf = xh.reshape(-1)
+    of = xf if o is xh else o.reshape(-1)
+    for lo, hi in pieces(xf.size):
+        a = xf[lo:hi]
+        call(a, a if of is xf else of[lo:hi])
+    return _done(o, fin, o, async_op, what)
 
-    xf, of = x.reshape(-1), o.reshape(-1)
-    for lo, hi in _chunks(xf.size):
-        xs = xf[lo:hi]
-        c.all_reduce(xs, op, xs if o is x else of[lo:hi], False)
-    return _done(c, _finish(o, wb, back), async_op, ("all_reduce", x.shape, x.dtype))
 
-
-def broadcast(c, h, root, x, post, async_op):
+def broadcast(call, h, post, async_op, x, what):
+    """``call(a)`` broadcasts piece ``a`` in place."""
     hf = h.reshape(-1)
-    for lo, hi in _chunks(hf.size):
-        c.broadcast(hf[lo:hi], root, False)
+    for lo, hi in pieces(hf.size):
+        call(hf[lo:hi])
     if post is not None:
         post()
-    return _done(c, x, async_op, ("broadcast", h.shape, h.dtype))
+    return x if not async_op else DoneWork(x, what)
 
 
-def reduce(c, x, op, root, o, wb, back, async_op):
-    from .mpi import _finish
-
-    xf = x.reshape(-1)
+def reduce(call, xh, o, fin, async_op, what):
+    """``call(a, b)`` reduces piece ``a`` into ``b`` on the root (``b`` None elsewhere)."""
+    xf = xh.reshape(-1)
     of = o.reshape(-1) if o is not None else None
-    for lo, hi in _chunks(xf.size):
-        c.reduce(xf[lo:hi], op, root, of[lo:hi] if of is not None else None, False)
-    res = _finish(o, wb, back) if o is not None else None
-    return _done(c, res, async_op, ("reduce", x.shape, x.dtype))
+    for lo, hi in pieces(xf.size):
+        a = xf[lo:hi]
+        call(a, of[lo:hi] if of is not None else None)
+    return _done(o, fin if o is not None else None, o, async_op, what)
 
 
-def all_gather(c, x, o, wb, back, async_op):
-    from .mpi import _finish
-
-    n = c.size
-    xf, o2 = x.reshape(-1), o.reshape(n, -1)
-    for lo, hi in _chunks(xf.size, n):
-        part = c.all_gather(xf[lo:hi], None, False)
-        o2[:, lo:hi] = part.reshape(n, hi - lo)
-    return _done(c, _finish(o, wb, back), async_op, ("all_gather", x.shape, x.dtype))
+def all_gather(call, xh, o, n, fin, async_op, what):
+    """``call(a)`` returns the all-gather of piece ``a`` (n pieces, flat)."""
+    xf, o2 = xh.reshape(-1), o.reshape(n, -1)
+    for lo, hi in pieces(xf.size, n):
+        o2[:, lo:hi] = call(np.ascontiguousarray(xf[lo:hi])).reshape(n, hi - lo)
+    return _done(o, fin, o, async_op, what)
 
 
-def reduce_scatter(c, x, op, o, wb, back, async_op):
-    from .mpi import _finish
-
-    n = c.size
-    x2, of = x.reshape(n, -1), o.reshape(-1)
-    for lo, hi in _chunks(x2.shape[1], n):
-        part = c.reduce_scatter(np.ascontiguousarray(x2[:, lo:hi]).reshape(-1), op, None, False)
-        of[lo:hi] = part
-    return _done(c, _finish(o, wb, back), async_op, ("reduce_scatter", x.shape, x.dtype))
+def reduce_scatter(call, xh, o, n, fin, async_op, what):
+    """``call(a)`` returns this rank's chunk of the reduce-scatter of ``a`` (n chunks, flat)."""
+    x2, of = xh.reshape(n, -1), o.reshape(-1)
+    for lo, hi in pieces(x2.shape[1], n):
+        of[lo:hi] = call(np.ascontiguousarray(x2[:, lo:hi]).reshape(-1))
+    return _done(o, fin, o, async_op, what)
 
 
-def all_to_all(c, x, o, wb, back, async_op):
-    from .mpi import _finish
-
-    n = c.size
-    x2, o2 = x.reshape(n, -1), o.reshape(n, -1)
-    for lo, hi in _chunks(x2.shape[1], n):
-        part = c.all_to_all(np.ascontiguousarray(x2[:, lo:hi]).reshape(-1), None, False)
-        o2[:, lo:hi] = part.reshape(n, hi - lo)
-    return _done(c, _finish(o, wb, back), async_op, ("all_to_all", x.shape, x.dtype))
+def all_to_all(call, xh, o, n, fin, async_op, what):
+    """``call(a)`` returns the all-to-all of ``a`` (n chunks, flat)."""
+    x2, o2 = xh.reshape(n, -1), o.reshape(n, -1)
+    for lo, hi in pieces(x2.shape[1], n):
+        o2[:, lo:hi] = call(np.ascontiguousarray(x2[:, lo:hi]).reshape(-1)).reshape(n, hi - lo)
+    return _done(o, fin, o, async_op, what)

@@ -1,80 +1,91 @@
-"""The MPI backend: NumPy (and any host array) over mpi4py; GPU arrays staged via the host."""
+"""The MPI transport: NumPy (and any host array) over mpi4py; GPU arrays staged via the host.
+
+Each collective has one ``_prepare_*`` method: it validates what the call's signature
+decides and returns a :class:`Prepared` whose ``run(x, out)`` binds new arrays of that
+signature. Large messages of a one-host group take the shared-memory strategy
+(mpicomm._backends.shm) and arrays of more than 2**31 - 1 elements go in pieces
+(mpicomm._backends.bigcount); both are chosen inside ``run`` from the message size.
+"""
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
-from .._arrays import _TABLE, dtype_info, host_out, to_host
+from .._arrays import check_out, check_writable, host_out, overlap_error, same_memory, to_host, write_back
+from .._dtypes import of_numpy
+from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE, REDUCE_SCATTER, RECV, ReduceOp,
+                    check_op_dtype, mpi_ops)
 from ..errors import invalid
-from .._ops import ReduceOp, check_op_dtype
-from . import bigcount as _bigcount, shm as _shm
-from .base import NO_REPLAY, NO_WEAK, REPLAY_MAX, Backend, Replay, WeakReplay, Work
+from . import bigcount
+from .base import Backend, DoneWork, Prepared, Work
+from .shm import ShmPath
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
 _F32 = np.dtype(np.float32)
-_MAX_COUNT = 2 ** 31 - 1  # MPI counts are C ints: larger arrays go in pieces (_bigcount)
+_AVG = ReduceOp.AVG
+_FILLS = "broadcast fills x in place"
+MAX_COUNT = 2 ** 31 - 1  # MPI counts are C ints: larger arrays go in pieces (tests lower it)
 
 
 class MPIWork(Work):
-    __slots__ = ("_reqs", "_post", "_keep")
+    __slots__ = ("_reqs", "_keep")
 
-    def __init__(self, reqs, result, post, what, keep=None):
-        super().__init__(result, what)
+    def __init__(self, reqs, result, what, post=None, keep=None):
+        super().__init__(result, what, post)
         self._reqs = reqs
-        self._post = post
-        # mpi4py does not keep a nonblocking collective's buffers alive: hold them (and any
+        # mpi4py does not keep a nonblocking call's buffers alive: hold them (and any
         # temporary, e.g. the float32 copy of float16 data) until the Work is dropped
         self._keep = keep
 
     def _poll(self):
         return MPI.Request.Testall(self._reqs)
 
-    def _finish(self):
-        if self._post is not None:
-            r = self._post()
-            if r is not None:
-                self._result = r
-
 
 class MPIBackend(Backend):
     name = "mpi"
 
-    def make_comm(self, mpi_comm):
-        return MPIComm(mpi_comm)
+    def make_transport(self, mpi_comm):
+        return MPITransport(mpi_comm)
 
 
-class MPIComm:
+def _host(x, arg="x"):
+    """(contiguous host array, back): the call's input as MPI moves it."""
+    if x.__class__ is np.ndarray and x.flags.c_contiguous:
+        return x, None
+    return to_host(x, arg)
+
+
+class MPITransport:
     """Collectives of one group over an MPI communicator."""
+
+    last_stream = None   # (the watchdog's GPU state: never set on MPI)
+    last_what = None
 
     def __init__(self, comm):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._opcache = {}
-        self._hot = {}  # (dtype, op) -> (MPI datatype, MPI op): pairs all_reduce has validated
-        # the last plain blocking call of each collective, repeated without checks (base.Replay)
-        self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
-        self._w_all_gather = self._w_broadcast = NO_WEAK  # the same for large arrays, weakly held
-        self.shm = None  # optional single-host shared-memory fast path (mpicomm.backends.shm)
-        _shm.configure(self)  # self.shm_min_<collective>: bytes from which it is tried
+        self._mop = mpi_ops()
+        self.shm = ShmPath(comm)   # the one-host shared-memory strategy (opened at first use)
+        self._prepare = {ALL_REDUCE: self._prepare_all_reduce, ALL_GATHER: self._prepare_all_gather,
+                         REDUCE_SCATTER: self._prepare_reduce_scatter, BROADCAST: self._prepare_broadcast,
+                         REDUCE: self._prepare_reduce, ALL_TO_ALL: self._prepare_all_to_all}
+
+    def prepare(self, code, x, out, arg, async_op, stream):
+        return self._prepare[code](x, out, arg, async_op, stream)
 
     def close(self):
-        self._r_all_reduce = self._r_all_gather = self._r_reduce_scatter = self._r_broadcast = NO_REPLAY
-        self._w_all_gather = self._w_broadcast = NO_WEAK
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        self.shm.close()
 
-    # ----------------------------------------------------------- helpers
-    def _mpi_op(self, op, info):
-        key = (op, info)
-        m = self._opcache.get(key)
-        if m is None:
-            check_op_dtype(op, info.name, info.floating, info.complex)
-            m = self._opcache[key] = _MPI_OPS[op]
-        return m
+    def abort(self):
+        pass
 
+    def group_start(self):
+        pass
+
+    def group_end(self):
+        pass
+
+    # ----------------------------------------------------------- shared steps
     def _root(self, root, arg="root"):
         if type(root) is not int or not 0 <= root < self.size:
             if isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= root < self.size:
@@ -82,16 +93,53 @@ class MPIComm:
             raise invalid(arg, root, f"a group rank in 0..{self.size - 1}")
         return root
 
-    def _out(self, x, out, shape):
-        """(host out array, writeback or None)."""
+    @staticmethod
+    def _check_role(x, out, xh, oshape, what):
+        """Validate the first call's ``out=`` (the run checks each later one)."""
         if out is None:
-            return np.empty(shape, x.dtype), None
-        return host_out(out, shape, x.dtype)
+            return
+        if out is x:
+            if tuple(xh.shape) != tuple(oshape):
+                raise invalid("out", "x (in place)", f"an array of shape {oshape}: {what}")
+            check_writable(x, "out")
+            return
+        host_out(out, oshape, xh.dtype, xh)
 
-    def _run(self, start, block, result, post, async_op, what):
+    @staticmethod
+    def _bind(x, out, role, oshape, dtype):
+        """(host input, host output, finish): this call's arrays as MPI moves them.
+
+        ``finish(o)`` turns the host output into the result the caller gets (None: ``o``).
+        """
+        xh, back = _host(x)
+        if role == 0:
+            return xh, np.empty(oshape, dtype), back
+        if role == 1:
+            if xh is x:
+                if not x.flags.writeable:
+                    raise invalid("out", "x, a read-only array", "a writable array (the result is written into it)")
+                return xh, xh, None
+            check_writable(x, "out")
+            if not xh.flags.writeable:
+                xh = xh.copy()
+            return xh, xh, (lambda o: write_back(x, o))
+        if out.__class__ is np.ndarray:
+            o, wb = check_out(out, oshape, dtype), None
+        else:
+            o, wb = host_out(out, oshape, dtype)
+        if np.may_share_memory(o, xh):
+            if not same_memory(o, xh):
+                raise overlap_error()
+            if wb is None:
+                return o, o, None          # out is a view of exactly x's memory: in place
+            xh = xh.copy()
+        return xh, o, wb
+
+    def _start(self, blocking, nonblocking, async_op, result, post, keep, what):
+        """Run the transport call, then the post-step; or start it and return a Work."""
         if async_op:
-            return MPIWork([start()], result, post, what, start)
-        block()
+            return MPIWork([nonblocking()], result, what, post, keep)
+        blocking()
         if post is not None:
             r = post()
             if r is not None:
@@ -99,310 +147,351 @@ class MPIComm:
         return result
 
     # ----------------------------------------------------------- collectives
-    # Each collective writes its repeat path (base.Replay) out in full: a shared helper
-    # would add a Python call, about a tenth of what the path costs.
-    def all_reduce(self, x, op, out, async_op, stream=None):
-        r = self._r_all_reduce  # the same arrays as the last plain call: repeat it
-        if x is r.x and out is r.out and op is r.op and not async_op and x.dtype is r.dtype \
-                and x.shape == r.shape:
-            if out is None:
-                o = np.empty(r.shape, r.dtype)
-                self.comm.Allreduce(r.a, [o, r.c], r.d)
-                return o
-            self.comm.Allreduce(r.a, r.b, r.d)
-            return out
-        # The hot path: a NumPy array whose (dtype, op) an earlier call validated, needing
-        # no conversion, no post-processing and neither the shared-memory nor the
-        # large-count path. It repeats none of the checks below.
-        if type(x) is np.ndarray and not async_op:
-            f = self._hot.get((x.dtype, op))
-            if f is not None and x.nbytes < self.shm_min_all_reduce and x.size <= _MAX_COUNT \
-                    and x.flags.c_contiguous:
-                if out is None:
-                    o = np.empty(x.shape, x.dtype)
-                elif out is x or (type(out) is np.ndarray and out.shape == x.shape
-                                  and out.dtype == x.dtype and out.flags.carray):
-                    o = out
-                else:
-                    o = None
-                if o is not None:
-                    sb = MPI.IN_PLACE if o is x else [x, f[0]]
-                    rb = [o, f[0]]
-                    self.comm.Allreduce(sb, rb, f[1])
-                    if x.nbytes <= REPLAY_MAX:
-                        self._r_all_reduce = Replay(x, out, op, sb, rb if out is not None else None, f[0], f[1])
-                    return o
-        if type(x) is np.ndarray and x.flags.c_contiguous:
-            back = None
-        else:
-            x, back = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        mop = self._mpi_op(op, info)
-        comm = self.comm
-        if out is None:
-            o, wb = np.empty(x.shape, x.dtype), None
-        elif out is x:
-            o, wb = x, None
-        else:  # (the usual NumPy out= of a validated call took the hot path above)
-            o, wb = host_out(out, x.shape, x.dtype)
-        if not async_op and x.nbytes >= self.shm_min_all_reduce:
-            r = _shm.all_reduce(self, x, o, info, op, _post(o, wb, back))
-            if r is not None:
-                return r
-        if x.size > _MAX_COUNT:
-            return _bigcount.all_reduce(self, x, op, o, wb, back, async_op)
-        n = self.size
-        if info.upcast:  # float16 / bfloat16: reduce in float32, MPI has no such ops
-            t = x.astype(_F32)
-            sb, rb = MPI.IN_PLACE, [t, MPI.FLOAT]
+    def _prepare_all_reduce(self, x, out, op, async_op, stream):
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        check_op_dtype(op, row)
+        self._check_role(x, out, xh, xh.shape, "all_reduce keeps the shape")
+        comm, n, shm, shape, dtype = self.comm, self.size, self.shm, xh.shape, xh.dtype
+        mop, dt, nbytes, size = self._mop[op], row.mpi, xh.nbytes, xh.size
+        role = 0 if out is None else (1 if out is x else 2)
+        avg, upcast = op is _AVG, row.upcast
+        what = ("all_reduce", shape, dtype)
+        plain = x.__class__ is np.ndarray and not upcast and size <= MAX_COUNT and not async_op
 
-            def post():
-                if op is ReduceOp.AVG:
-                    t.__itruediv__(n)
-                o[...] = t
-                return _finish(o, wb, back)
-        else:
-            dt = info.mpi
-            sb = MPI.IN_PLACE if o is x else [x, dt]
-            rb = [o, dt]
-            if op is not ReduceOp.AVG:
-                self._hot[(info.dtype, op)] = (dt, mop)
-            if op is ReduceOp.AVG or wb is not None or back is not None:
-                def post():
-                    if op is ReduceOp.AVG:
-                        np.divide(o, n, out=o)
-                    return _finish(o, wb, back)
+        if plain:
+            # The common case written out: a NumPy input whose arrays need no copy. Anything
+            # else this call's arrays bring (a copy, an error) is left to run_any.
+            inplace = MPI.IN_PLACE
+
+            def tail(x, o, sb):
+                if nbytes >= shm.min_all_reduce and shm.all_reduce(x, o, row, op) is not None:
+                    return o
+                comm.Allreduce(sb, [o, dt], mop)
+                if avg:
+                    np.divide(o, n, out=o)
+                return o
+
+            if role == 0:
+                def run(x, out):
+                    if not x.flags.c_contiguous:
+                        return run_any(x, out)
+                    o = np.empty(shape, dtype)
+                    if nbytes < shm.min_all_reduce:
+                        comm.Allreduce([x, dt], [o, dt], mop)
+                        if avg:
+                            np.divide(o, n, out=o)
+                        return o
+                    return tail(x, o, [x, dt])
+            elif role == 1:
+                def run(x, out):
+                    if not x.flags.carray:   # C-contiguous, aligned and writable
+                        return run_any(x, out)
+                    if nbytes < shm.min_all_reduce:
+                        comm.Allreduce(inplace, [x, dt], mop)
+                        if avg:
+                            np.divide(x, n, out=x)
+                        return x
+                    return tail(x, x, inplace)
             else:
-                post = None
-        if async_op:
-            return MPIWork([comm.Iallreduce(sb, rb, mop)], o, post, ("all_reduce", x.shape, x.dtype), (sb, rb))
-        comm.Allreduce(sb, rb, mop)
-        if post is not None:
-            return post()
+                def run(x, out):
+                    if out.__class__ is not np.ndarray or out.dtype is not dtype or out.shape != shape \
+                            or not out.flags.carray or not x.flags.c_contiguous \
+                            or (out.base is not None or x.base is not None) and np.may_share_memory(out, x):
+                        return run_any(x, out)
+                    if nbytes < shm.min_all_reduce:
+                        comm.Allreduce([x, dt], [out, dt], mop)
+                        if avg:
+                            np.divide(out, n, out=out)
+                        return out
+                    return tail(x, out, [x, dt])
+        else:
+            run = None
+
+        def run_any(x, out):
+            xh, o, fin = self._bind(x, out, role, shape, dtype)
+            if not async_op and nbytes >= shm.min_all_reduce and shm.all_reduce(xh, o, row, op) is not None:
+                return fin(o) if fin is not None else (out if role == 2 else o)
+            if size > MAX_COUNT:
+                return bigcount.all_reduce(lambda a, b: run_small(a, b, None), xh, o, fin, async_op, what)
+            res = run_small(xh, o, fin)
+            return out if role == 2 and fin is None and not async_op else res
+
+        def run_small(xh, o, fin):
+            if upcast:  # float16 / bfloat16: reduce in float32, MPI has no such ops
+                t = xh.astype(_F32)
+                sb, rb = MPI.IN_PLACE, [t, MPI.FLOAT]
+
+                def post():
+                    if avg:
+                        t.__itruediv__(n)
+                    o[...] = t
+                    return fin(o) if fin is not None else None
+            else:
+                t = None
+                sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [o, dt]
+                if avg or fin is not None:
+                    def post():
+                        if avg:
+                            np.divide(o, n, out=o)
+                        return fin(o) if fin is not None else None
+                else:
+                    post = None
+            return self._start(lambda: comm.Allreduce(sb, rb, mop), lambda: comm.Iallreduce(sb, rb, mop),
+                               async_op, o, post, (xh, o, t), what)
+
+        return Prepared(ALL_REDUCE, x, out, op, async_op, stream, run or run_any)
+
+    def _prepare_all_gather(self, x, out, _, async_op, stream):
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        n, comm, shm = self.size, self.comm, self.shm
+        shape, dtype, dt = xh.shape, xh.dtype, row.mpi
+        oshape = (n * shape[0],) + shape[1:] if xh.ndim else (n,)
+        self._check_role(x, out, xh, oshape, f"all_gather gives axis 0 {n} times as long")
+        role = 0 if out is None else (1 if out is x else 2)
+        onbytes, osize = xh.nbytes * n, xh.size * n
+        what = ("all_gather", shape, dtype)
+
+        if x.__class__ is np.ndarray and role == 0 and osize <= MAX_COUNT and not async_op:
+            def run(x, out):
+                if not x.flags.c_contiguous:
+                    x = np.ascontiguousarray(x)
+                o = np.empty(oshape, dtype)
+                if onbytes < shm.min_all_gather or shm.all_gather(x, o) is None:
+                    comm.Allgather([x, dt], [o, dt])
+                return o
+            return Prepared(ALL_GATHER, x, out, None, async_op, stream, run)
+
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype)
+            if not async_op and onbytes >= shm.min_all_gather and shm.all_gather(xh, o) is not None:
+                return fin(o) if fin is not None else (out if role == 2 else o)
+            if osize > MAX_COUNT:
+                return bigcount.all_gather(lambda a: self.all_gather_host(a), xh, o, n, fin, async_op, what)
+            sb = MPI.IN_PLACE if o is xh else [xh, dt]
+            post = (lambda: fin(o)) if fin is not None else None
+            return self._start(lambda: comm.Allgather(sb, [o, dt]), lambda: comm.Iallgather(sb, [o, dt]),
+                               async_op, o, post, (xh, o), what)
+
+        return Prepared(ALL_GATHER, x, out, None, async_op, stream, run)
+
+    def all_gather_host(self, a):
+        """All-gather of a contiguous host array (the pieces of a large call)."""
+        dt = of_numpy(a.dtype).mpi
+        o = np.empty((self.size * a.size,), a.dtype)
+        self.comm.Allgather([a, dt], [o, dt])
         return o
 
-    def all_gather(self, x, out, async_op, stream=None):
-        r = self._r_all_gather
-        if x is r.x and out is r.out and not async_op and x.dtype is r.dtype and x.shape == r.shape:
-            if out is None:
-                o = np.empty(r.e, r.dtype)
-                self.comm.Allgather(r.a, [o, r.c])
-                return o
-            self.comm.Allgather(r.a, r.b)
-            return out
-        w = self._w_all_gather
-        if out is not None and w.x() is x and w.out() is out and not async_op and x.dtype is w.dtype \
-                and x.shape == w.shape:
-            self.comm.Allgather([x, w.c, w.dt], [out, w.dt])
-            return out
-        x0 = x
-        x, back = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        n = self.size
-        shape = (n * x.shape[0],) + x.shape[1:] if x.ndim else (n,)
-        o, wb = self._out(x, out, shape)
-        if not async_op and o.nbytes >= self.shm_min_all_gather:
-            r = _shm.all_gather(self, x, o, _post(o, wb, back))
-            if r is not None:
-                return r
-        if o.size > _MAX_COUNT:
-            return _bigcount.all_gather(self, x, o, wb, back, async_op)
-        sb, rb = [x, x.size, info.mpi], [o, info.mpi]
-        post = (lambda: _finish(o, wb, back)) if (wb or back) else None
-        if not async_op and post is None and x is x0:
-            self.comm.Allgather(sb, rb)
-            if o.nbytes <= REPLAY_MAX:
-                self._r_all_gather = Replay(x, out, None, sb, rb if out is not None else None, info.mpi, None, shape)
-            elif out is o:
-                self._w_all_gather = WeakReplay(x, out, None, x.size, info.mpi)
-            return o
-        return self._run(lambda: self.comm.Iallgather(sb, rb), lambda: self.comm.Allgather(sb, rb),
-                         o, post, async_op, ("all_gather", x.shape, x.dtype))
-
-    def reduce_scatter(self, x, op, out, async_op, stream=None):
-        r = self._r_reduce_scatter
-        if x is r.x and out is r.out and op is r.op and not async_op and x.dtype is r.dtype \
-                and x.shape == r.shape:
-            if out is None:
-                o = np.empty(r.e, r.dtype)
-                self.comm.Reduce_scatter_block(r.a, [o, r.c], r.d)
-                return o
-            self.comm.Reduce_scatter_block(r.a, r.b, r.d)
-            return out
-        x0 = x
-        x, back = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        mop = self._mpi_op(op, info)
-        n = self.size
-        if x.ndim == 0 or x.shape[0] % n:
-            raise invalid("x.shape", x.shape, f"a first axis divisible by the group size {n} "
+    def _prepare_reduce_scatter(self, x, out, op, async_op, stream):
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        check_op_dtype(op, row)
+        n, comm, shm = self.size, self.comm, self.shm
+        if xh.ndim == 0 or xh.shape[0] % n:
+            raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n} "
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
-        shape = (x.shape[0] // n,) + x.shape[1:]
-        o, wb = self._out(x, out, shape)
-        if not async_op and x.nbytes >= self.shm_min_reduce_scatter:
-            r = _shm.reduce_scatter(self, x, o, info, op, _post(o, wb, back))
-            if r is not None:
-                return r
-        if x.size > _MAX_COUNT:
-            return _bigcount.reduce_scatter(self, x, op, o, wb, back, async_op)
-        if info.upcast:
-            t = x.astype(_F32)
-            r = np.empty(shape, _F32)
-            sb, rb = [t, MPI.FLOAT], [r, MPI.FLOAT]
-        else:
-            r = o
-            sb, rb = [x, info.mpi], [o, info.mpi]
-            if not async_op and op is not ReduceOp.AVG and x is x0 and wb is None and x.nbytes <= REPLAY_MAX:
-                self.comm.Reduce_scatter_block(sb, rb, mop)
-                self._r_reduce_scatter = Replay(x, out, op, sb, rb if out is not None else None, info.mpi,
-                                                mop, shape)
-                return o
+        shape, dtype, dt, mop = xh.shape, xh.dtype, row.mpi, self._mop[op]
+        oshape = (shape[0] // n,) + shape[1:]
+        self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0")
+        role = 0 if out is None else (1 if out is x else 2)
+        avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
+        what = ("reduce_scatter", shape, dtype)
 
-        def post():
-            if op is ReduceOp.AVG:
-                np.divide(r, n, out=r)
-            if r is not o:
-                o[...] = r
-            return _finish(o, wb, back)
-
-        return self._run(lambda: self.comm.Ireduce_scatter_block(sb, rb, mop),
-                         lambda: self.comm.Reduce_scatter_block(sb, rb, mop),
-                         o, post, async_op, ("reduce_scatter", x.shape, x.dtype))
-
-    def broadcast(self, x, root, async_op, stream=None):
-        r = self._r_broadcast
-        if x is r.x and root is r.op and not async_op and x.dtype is r.dtype and x.shape == r.shape:
-            self.comm.Bcast(r.a, root)
-            return x
-        w = self._w_broadcast
-        if w.x() is x and root is w.op and not async_op and x.dtype is w.dtype and x.shape == w.shape:
-            self.comm.Bcast([x, w.dt], root)
-            return x
-        root = self._root(root)
-        if type(x) is np.ndarray:
-            if not x.flags.c_contiguous:
-                raise invalid("x", f"non-contiguous array (shape {x.shape}, strides {x.strides})",
-                              "a C-contiguous array (broadcast fills x in place)")
-            if not x.flags.writeable:
-                raise invalid("x", "read-only array", "a writable array (broadcast fills x in place)")
-            h, wb = x, None
-        else:
-            h, back = to_host(x)
-            h, wb = host_out(x, h.shape, h.dtype, "x") if back else (h, None)
-            if back and self.rank == root:
-                h[...] = to_host(x)[0]
-        info = _TABLE.get(h.dtype) or dtype_info(h.dtype)
-        post = (lambda: wb(h)) if wb is not None else None
-        if not async_op and h.nbytes >= self.shm_min_broadcast:
-            r = _shm.broadcast(self, h, root, x, post)
-            if r is not None:
-                return r
-        if h.size > _MAX_COUNT:
-            return _bigcount.broadcast(self, h, root, x, post, async_op)
-        b = [h, info.mpi]
-        if post is None and not async_op and h is x:
-            self.comm.Bcast(b, root)
-            if x.nbytes <= REPLAY_MAX:
-                self._r_broadcast = Replay(x, None, root, b)
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype)
+            if not async_op and nbytes >= shm.min_reduce_scatter \
+                    and shm.reduce_scatter(xh, o, row, op) is not None:
+                return fin(o) if fin is not None else (out if role == 2 else o)
+            if size > MAX_COUNT:
+                return bigcount.reduce_scatter(lambda a: self.reduce_scatter_host(a, op), xh, o, n, fin,
+                                               async_op, what)
+            if upcast:
+                t, r = xh.astype(_F32), np.empty(oshape, _F32)
+                sb, rb = [t, MPI.FLOAT], [r, MPI.FLOAT]
             else:
-                self._w_broadcast = WeakReplay(x, None, root, None, info.mpi)
-            return x
-        return self._run(lambda: self.comm.Ibcast(b, root), lambda: self.comm.Bcast(b, root),
-                         x, post, async_op, ("broadcast", h.shape, h.dtype))
+                t, r = None, o
+                sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [o, dt]
+            if avg or upcast or fin is not None:
+                def post():
+                    if avg:
+                        np.divide(r, n, out=r)
+                    if r is not o:
+                        o[...] = r
+                    return fin(o) if fin is not None else None
+            else:
+                post = None
+            return self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
+                               lambda: comm.Ireduce_scatter_block(sb, rb, mop),
+                               async_op, o, post, (xh, o, t, r), what)
 
-    def reduce(self, x, op, root, out, async_op, stream=None):
+        return Prepared(REDUCE_SCATTER, x, out, op, async_op, stream, run)
+
+    def reduce_scatter_host(self, a, op):
+        """Reduce-scatter of a contiguous host array (the pieces of a large call)."""
+        row = of_numpy(a.dtype)
+        o = np.empty((a.size // self.size,), a.dtype)
+        self.comm.Reduce_scatter_block([a, row.mpi], [o, row.mpi], self._mop[op])
+        if op is _AVG:
+            np.divide(o, self.size, out=o)
+        return o
+
+    def _prepare_broadcast(self, x, out, root, async_op, stream):
         root = self._root(root)
-        x, back = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        mop = self._mpi_op(op, info)
-        n = self.size
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        check_writable(x, "x", _FILLS)
+        comm, shm, dt, nbytes, size = self.comm, self.shm, row.mpi, xh.nbytes, xh.size
         is_root = self.rank == root
-        if is_root:
-            o, wb = self._out(x, out, x.shape)
+        what = ("broadcast", xh.shape, xh.dtype)
+
+        if x.__class__ is np.ndarray and not async_op and size <= MAX_COUNT:
+            def run(x, out):
+                if not x.flags.c_contiguous or not x.flags.writeable:
+                    return run_any(x, out)
+                if nbytes < shm.min_broadcast or shm.broadcast(x, root) is None:
+                    comm.Bcast([x, dt], root)
+                return x
+            reuse_run = run
         else:
-            o, wb = None, None
-            if out is not None:  # validate alike on every rank
-                host_out(out, x.shape, x.dtype)
-        if x.size > _MAX_COUNT:
-            return _bigcount.reduce(self, x, op, root, o, wb, back, async_op)
-        if info.upcast:
-            t = x.astype(_F32)
-            r = np.empty(x.shape, _F32) if is_root else None
-            sb, rb = [t, MPI.FLOAT], ([r, MPI.FLOAT] if is_root else None)
-        else:
-            r = o
-            sb, rb = [x, info.mpi], ([o, info.mpi] if is_root else None)
+            reuse_run = None
 
-        def post():
-            if not is_root:
-                return None
-            if op is ReduceOp.AVG:
-                np.divide(r, n, out=r)
-            if r is not o:
-                o[...] = r
-            return _finish(o, wb, back)
+        def run_any(x, out):
+            if x.__class__ is np.ndarray and x.flags.c_contiguous:
+                h = x
+                if not h.flags.writeable:
+                    check_writable(x, "x", _FILLS)
+            else:
+                check_writable(x, "x", _FILLS)
+                h, _ = to_host(x)
+                if not h.flags.writeable:
+                    h = h.copy()
+            post = None if h is x else (lambda: None if is_root else write_back(x, h))
+            if not async_op and nbytes >= shm.min_broadcast and shm.broadcast(h, root) is not None:
+                if post is not None:
+                    post()
+                return x
+            if size > MAX_COUNT:
+                return bigcount.broadcast(lambda a: comm.Bcast([a, dt], root), h, post, async_op, x, what)
+            b = [h, dt]
+            return self._start(lambda: comm.Bcast(b, root), lambda: comm.Ibcast(b, root),
+                               async_op, x, (lambda: (post(), None)[1]) if post else None, (h,), what)
 
-        w = self._run(lambda: self.comm.Ireduce(sb, rb, mop, root),
-                      lambda: self.comm.Reduce(sb, rb, mop, root),
-                      o, post, async_op, ("reduce", x.shape, x.dtype))
-        return w
+        return Prepared(BROADCAST, x, out, root, async_op, stream, reuse_run or run_any)
 
-    def all_to_all(self, x, out, async_op, stream=None):
-        x, back = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        n = self.size
-        if x.ndim == 0 or x.shape[0] % n:
-            raise invalid("x.shape", x.shape, f"a first axis divisible by the group size {n} "
+    def _prepare_reduce(self, x, out, arg, async_op, stream):
+        op, root = arg
+        root = self._root(root)
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        check_op_dtype(op, row)
+        self._check_role(x, out, xh, xh.shape, "reduce keeps the shape")  # alike on every rank
+        comm, n, shape, dtype, dt, mop = self.comm, self.size, xh.shape, xh.dtype, row.mpi, self._mop[op]
+        is_root = self.rank == root
+        role = 0 if out is None else (1 if out is x else 2)
+        avg, upcast, size = op is _AVG, row.upcast, xh.size
+        what = ("reduce", shape, dtype)
+
+        def run(x, out):
+            if is_root:
+                xh, o, fin = self._bind(x, out, role, shape, dtype)
+            else:
+                xh, _ = _host(x)
+                o = fin = None
+                if role == 2:
+                    host_out(out, shape, dtype, xh)   # the same checks as on the root
+            if size > MAX_COUNT:
+                return bigcount.reduce(lambda a, b: self.reduce_host(a, b, op, root), xh, o, fin, async_op, what)
+            if upcast:
+                t = xh.astype(_F32)
+                r = np.empty(shape, _F32) if is_root else None
+                sb, rb = [t, MPI.FLOAT], ([r, MPI.FLOAT] if is_root else None)
+            else:
+                t, r = None, o
+                sb = MPI.IN_PLACE if is_root and o is xh else [xh, dt]
+                rb = [o, dt] if is_root else None
+
+            def post():
+                if not is_root:
+                    return None
+                if avg:
+                    np.divide(r, n, out=r)
+                if r is not o:
+                    o[...] = r
+                return fin(o) if fin is not None else None
+
+            res = self._start(lambda: comm.Reduce(sb, rb, mop, root), lambda: comm.Ireduce(sb, rb, mop, root),
+                              async_op, o if is_root else None, post, (xh, o, t, r), what)
+            if not async_op and is_root and role == 2 and fin is None:
+                return out
+            return res
+
+        return Prepared(REDUCE, x, out, arg, async_op, stream, run)
+
+    def reduce_host(self, a, o, op, root):
+        row = of_numpy(a.dtype)
+        sb = MPI.IN_PLACE if o is not None and np.shares_memory(a, o) else [a, row.mpi]
+        self.comm.Reduce(sb, [o, row.mpi] if o is not None else None, self._mop[op], root)
+        if op is _AVG and o is not None:
+            np.divide(o, self.size, out=o)
+
+    def _prepare_all_to_all(self, x, out, _, async_op, stream):
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        n, comm = self.size, self.comm
+        if xh.ndim == 0 or xh.shape[0] % n:
+            raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n} "
                           "(all_to_all sends chunk j of axis 0 to rank j)")
-        o, wb = self._out(x, out, x.shape)
-        if x.size > _MAX_COUNT:
-            return _bigcount.all_to_all(self, x, o, wb, back, async_op)
-        sb, rb = [x, info.mpi], [o, info.mpi]
-        post = (lambda: _finish(o, wb, back)) if (wb or back) else None
-        return self._run(lambda: self.comm.Ialltoall(sb, rb), lambda: self.comm.Alltoall(sb, rb),
-                         o, post, async_op, ("all_to_all", x.shape, x.dtype))
+        shape, dtype, dt, size = xh.shape, xh.dtype, row.mpi, xh.size
+        self._check_role(x, out, xh, shape, "all_to_all keeps the shape")
+        role = 0 if out is None else (1 if out is x else 2)
+        what = ("all_to_all", shape, dtype)
 
-    def send(self, x, dst, tag, async_op, stream=None):
-        dst = self._peer(dst, "dst")
-        x, _ = to_host(x)
-        info = _TABLE.get(x.dtype) or dtype_info(x.dtype)
-        b = [x, info.mpi]
-        return self._run(lambda: self.comm.Isend(b, dst, tag), lambda: self.comm.Send(b, dst, tag),
-                         None, None, async_op, ("send", x.shape, x.dtype))
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, shape, dtype)
+            if size > MAX_COUNT:
+                return bigcount.all_to_all(lambda a: self.all_to_all_host(a), xh, o, n, fin, async_op, what)
+            sb = MPI.IN_PLACE if o is xh else [xh, dt]
+            post = (lambda: fin(o)) if fin is not None else None
+            res = self._start(lambda: comm.Alltoall(sb, [o, dt]), lambda: comm.Ialltoall(sb, [o, dt]),
+                              async_op, o, post, (xh, o), what)
+            return out if role == 2 and fin is None and not async_op else res
 
-    def recv(self, out, src, tag, async_op, stream=None):
-        src = self._peer(src, "src")
-        if type(out) is np.ndarray:
-            o, wb = host_out(out, out.shape, out.dtype)
-        else:
-            h, _ = to_host(out, "out")
-            o, wb = host_out(out, h.shape, h.dtype)
-        info = _TABLE.get(o.dtype) or dtype_info(o.dtype, "out")
-        b = [o, info.mpi]
-        post = (lambda: wb(o)) if wb is not None else None
-        return self._run(lambda: self.comm.Irecv(b, src, tag), lambda: self.comm.Recv(b, src, tag),
-                         out, post, async_op, ("recv", o.shape, o.dtype))
+        return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
-    def barrier(self, async_op=False):
-        return self._run(self.comm.Ibarrier, self.comm.Barrier, None, None, async_op,
-                         ("barrier", (), None))
+    def all_to_all_host(self, a):
+        dt = of_numpy(a.dtype).mpi
+        o = np.empty_like(a)
+        self.comm.Alltoall([a, dt], [o, dt])
+        return o
 
-    def _peer(self, r, arg):
-        r = self._root(r, arg)
-        if r == self.rank:
-            raise invalid(arg, r, f"another rank of the group (0..{self.size - 1}, not this rank "
-                          f"{self.rank}: a blocking send to oneself would never complete)")
-        return r
+    # ----------------------------------------------------------- point to point, barrier
+    def point_to_point(self, code, x, peer, tag, async_op, stream):
+        arg = "src" if code == RECV else "dst"
+        peer = self._root(peer, arg)
+        if peer == self.rank and not async_op:
+            raise invalid(arg, peer, f"another rank of the group (0..{self.size - 1}, not this rank "
+                          f"{self.rank}: a blocking {'recv from' if code == RECV else 'send to'} oneself "
+                          "would never complete; use async_op=True)")
+        comm = self.comm
+        if code == RECV:
+            if isinstance(x, np.ndarray):
+                o, wb = host_out(x, x.shape, x.dtype, None, "out")
+            else:
+                h, _ = to_host(x, "out")
+                o, wb = host_out(x, h.shape, h.dtype, None, "out")
+            b = [o, of_numpy(o.dtype, "out").mpi]
+            post = (lambda: wb(o)) if wb is not None else None
+            return self._start(lambda: comm.Recv(b, peer, tag), lambda: comm.Irecv(b, peer, tag),
+                               async_op, x, post, (o,), ("recv", o.shape, o.dtype))
+        h, _ = to_host(x)
+        b = [h, of_numpy(h.dtype).mpi]
+        return self._start(lambda: comm.Send(b, peer, tag), lambda: comm.Isend(b, peer, tag),
+                           async_op, None, None, (h,), ("send", h.shape, h.dtype))
+
+    def barrier(self, async_op):
+        return self._start(self.comm.Barrier, self.comm.Ibarrier, async_op, None, None, None,
+                           ("barrier", (), None))
 
 
-def _post(o, wb, back):
-    """The post-step of a shared-memory collective: the write-back, if any."""
-    return (lambda: _finish(o, wb, back)) if (wb is not None or back is not None) else None
-
-
-def _finish(o, wb, back):
-    if wb is not None:
-        return wb(o)
-    if back is not None:
-        return back(o)
-    return o
+__all__ = ["MPIBackend", "MPITransport", "MPIWork", "DoneWork", "MAX_COUNT"]

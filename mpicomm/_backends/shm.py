@@ -53,7 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import invalid
-from .._ops import ReduceOp
+from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops
 
 NEVER = sys.maxsize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -84,10 +84,7 @@ _HDR = 64                 # bytes after the two buffers of a segment: the tuner'
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PROD: MPI.PROD,
-            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
-_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+_MPI_OPS = mpi_ops()
 _OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
 
 
@@ -124,21 +121,6 @@ def thresholds(size, env=os.environ, crowded=False):
             t["all_reduce"] = CROWDED_THRESHOLD
         return t
     return dict.fromkeys(COLLECTIVES, max(1, _bytes("MPICOMM_SHM_THRESHOLD", v)))
-
-
-def configure(mc, env=os.environ):
-    """Set the dispatch thresholds of an MPIComm ``mc`` (one attribute per collective,
-    so that the small-message path pays one integer compare)."""
-    g = getattr(mc, "shm", None)
-    t = thresholds(mc.size, env, g is not None and g.crowded)
-    mc.shm_min_all_reduce = t["all_reduce"]
-    mc.shm_min_all_gather = t["all_gather"]
-    mc.shm_min_reduce_scatter = t["reduce_scatter"]
-    mc.shm_min_broadcast = t["broadcast"]
-
-
-def disable(mc):
-    configure(mc, {"MPICOMM_SHM_THRESHOLD": "off"})
 
 
 def _piece_bytes(env=os.environ):
@@ -259,7 +241,7 @@ class ShmGroup:
             self.comm = None
 
     # ----------------------------------------------------------- driving
-    def run(self, name, gen, result, post, what):
+    def run(self, name, gen):
         """Run collective generator ``gen`` to the end (it yields at every barrier), blocking."""
         self.calls[name] += 1
         win = self.win
@@ -277,11 +259,6 @@ class ShmGroup:
                 win.Sync()
                 bar()
                 win.Sync()
-        if post is not None:
-            r = post()
-            if r is not None:
-                return r
-        return result
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
@@ -512,59 +489,83 @@ class ShmGroup:
                 hb[start:stop] = src[:stop - start]
 
 
-# --------------------------------------------------------------- MPIComm entry points
-# Each returns the collective's result (blocking calls only: async_op=True takes MPI's
-# non-blocking collectives, which MPI progresses inside any other MPI call), or None when the ordinary path must
-# run instead: the group spans hosts or the window cannot be allocated. Both are found
-# collectively, alike on every rank, and remembered (the thresholds become NEVER).
+# --------------------------------------------------------------- the MPI transport's strategy
 
-def _group(mc):
-    g = mc.shm
-    if g is None:
-        g = ShmGroup.open(mc.comm)
-        if g is None:
-            disable(mc)
+class ShmPath:
+    """The shared-memory strategy of one group's MPI transport.
+
+    ``min_<collective>`` is the smallest message in bytes that tries the path (one
+    integer compare on the small-message path). Each entry point returns the output
+    when the path ran, or None when the ordinary path must run instead: the group spans
+    hosts or the window cannot be allocated. Both are found collectively, alike on every
+    rank, and remembered (the thresholds become NEVER). Blocking calls only.
+    """
+
+    def __init__(self, comm, env=os.environ):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.group = None       # the ShmGroup, opened at the first call that may use it
+        self._closed = False
+        self.configure(env)
+
+    def configure(self, env=os.environ):
+        """Set the thresholds from MPICOMM_SHM_THRESHOLD in ``env`` (call it alike on every rank)."""
+        t = thresholds(self.size, env, self.group is not None and self.group.crowded)
+        self.min_all_reduce = t["all_reduce"]
+        self.min_all_gather = t["all_gather"]
+        self.min_reduce_scatter = t["reduce_scatter"]
+        self.min_broadcast = t["broadcast"]
+
+    def disable(self):
+        self.configure({"MPICOMM_SHM_THRESHOLD": "off"})
+
+    def open(self):
+        """The group's ShmGroup, opening it at the first use (collective); None if unavailable."""
+        g = self.group
+        if g is None and not self._closed:
+            g = ShmGroup.open(self.comm)
+            if g is None:
+                self.disable()
+                self._closed = True
+                return None
+            self.group = g
+            if g.crowded and self.min_all_reduce == DEFAULT_THRESHOLD["all_reduce"]:
+                self.min_all_reduce = CROWDED_THRESHOLD    # the default, crowded
+        return g
+
+    def close(self):
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def _go(self, g, name, gen, o):
+        if gen is None:              # the window could not grow (on every rank alike)
+            self.disable()
             return None
-        mc.shm = g
-        if g.crowded and mc.shm_min_all_reduce == DEFAULT_THRESHOLD["all_reduce"]:
-            mc.shm_min_all_reduce = CROWDED_THRESHOLD    # the default, crowded
-    return g
+        g.run(name, gen)
+        return o
 
+    def all_reduce(self, x, o, row, op):
+        g = self.open()
+        if g is None or x.nbytes < self.min_all_reduce:   # (raised when the group opened)
+            return None
+        return self._go(g, "all_reduce", g.all_reduce(x, o, row, op), o)
 
-def _go(mc, g, name, gen, result, post, what):
-    if gen is None:              # the window could not grow (on every rank alike)
-        disable(mc)
-        return None
-    return g.run(name, gen, result, post, what)
+    def reduce_scatter(self, x, o, row, op):
+        g = self.open()
+        if g is None:
+            return None
+        return self._go(g, "reduce_scatter", g.reduce_scatter(x, o, row, op), o)
 
+    def all_gather(self, x, o):
+        g = self.open()
+        if g is None:
+            return None
+        return self._go(g, "all_gather", g.all_gather(x, o), o)
 
-def all_reduce(mc, x, o, info, op, post):
-    g = _group(mc)
-    if g is None or x.nbytes < mc.shm_min_all_reduce:   # (raised when the group opened)
-        return None
-    return _go(mc, g, "all_reduce", g.all_reduce(x, o, info, op), o, post,
-               ("all_reduce", x.shape, x.dtype))
-
-
-def reduce_scatter(mc, x, o, info, op, post):
-    g = _group(mc)
-    if g is None:
-        return None
-    return _go(mc, g, "reduce_scatter", g.reduce_scatter(x, o, info, op), o, post,
-               ("reduce_scatter", x.shape, x.dtype))
-
-
-def all_gather(mc, x, o, post):
-    g = _group(mc)
-    if g is None:
-        return None
-    return _go(mc, g, "all_gather", g.all_gather(x, o), o, post,
-               ("all_gather", x.shape, x.dtype))
-
-
-def broadcast(mc, h, root, result, post):
-    g = _group(mc)
-    if g is None:
-        return None
-    return _go(mc, g, "broadcast", g.broadcast(h, root), result, post,
-               ("broadcast", h.shape, h.dtype))
+    def broadcast(self, h, root):
+        g = self.open()
+        if g is None:
+            return None
+        return self._go(g, "broadcast", g.broadcast(h, root), h)

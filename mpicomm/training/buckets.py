@@ -590,25 +590,25 @@ class DistributedGradReducer:
             self._next += 1
 
     def _nccl_group(self):
-        """CuPy's NCCL module when every bucket goes to NCCL and there are several, else None."""
+        """The group's transport when every bucket goes to NCCL and there are several, else None."""
         bs = [b for b in self._buckets if b.numel]
         if not self.group_launch or len(bs) < 2 or not all(b.stream_mode for b in bs):
             return None
-        return getattr(get_group(self.group).impl, "nccl", None)
+        return get_group(self.group).transport
 
     def _launch_all(self):
         """Blocking step: launch every bucket (in one NCCL group where _nccl_group allows)."""
-        nccl = self._nccl_group()
-        if nccl is None:
+        t = self._nccl_group()
+        if t is None:
             self._launch_ready(overlap=False)
             return
         # The post-steps (unscale, copy out of a compressed wire buffer) must follow the
         # all-reduces on the stream, and NCCL enqueues those only at groupEnd.
-        nccl.groupStart()
+        t.group_start()
         try:
             self._launch_ready(overlap=False, post=False)
         finally:
-            nccl.groupEnd()
+            t.group_end()
         for b in self._buckets:
             if b.numel:
                 self._post(b)

@@ -1,0 +1,90 @@
+"""The dispatch core: every collective of a group goes through ``Dispatcher.call``.
+
+The dispatcher keeps the group's last prepared call per collective and reuses it
+whenever a new call has the same signature (the input's class, shape and dtype, the op
+or root, the output role: new, in place or given, the stream, async or not), binding
+the new arrays instead of validating again; anything else is prepared by the
+transport (which validates it) and becomes the entry for that collective. A reused
+call still checks, per call, whatever can differ between arrays of one signature
+(contiguity, writability, overlap of ``out=`` with ``x``, the device): that lives in
+the prepared call's ``run``.
+
+Around the transport call the dispatcher publishes progress for the watchdog: the
+sequence number and collective it entered on the group, then the same when it is
+done (two stores into this rank's row of the progress window). In debug mode the
+transport is wrapped by the cross-rank argument check (mpicomm._reliability.debug),
+and nothing is reused.
+"""
+from __future__ import annotations
+
+from ._backends.base import NEVER
+from ._ops import BARRIER, COLLECTIVES
+
+
+class Dispatcher:
+    """Runs the collectives of one group: reuses prepared calls and publishes progress."""
+
+    __slots__ = ("group", "transport", "last", "mem", "row", "on_timeout")
+
+    def __init__(self, group, transport, mem, row, on_timeout=None):
+        self.group = group
+        self.transport = transport     # the group's transport (or the debug wrapper around it)
+        self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
+        self.mem = mem                 # this rank's progress words (int64 memoryview)
+        self.row = row                 # index of the group's "entered" word; "done" follows it
+        self.on_timeout = on_timeout   # builds a Work's timeout error, with the peers' state
+
+    def call(self, code, x, out, arg, async_op, stream):
+        """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
+        p = self.last[code]
+        if x.__class__ is not p.cls or x.shape != p.shape or x.dtype is not p.dtype \
+                or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
+                or p.role != (0 if out is None else (1 if out is x else 2)):
+            p = None
+        g = self.group
+        seq = g.seq + 1
+        g.seq = seq
+        v = seq << 4 | code
+        m, b = self.mem, self.row
+        m[b] = v
+        try:
+            if p is None:
+                # the entry stays the call in progress (the watchdog describes it); only
+                # a reusable one (cls not None) is ever matched again
+                p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream)
+            r = p.run(x, out)
+        finally:  # done, or a local error: the call is over on this rank
+            m[b + 1] = v
+        if async_op:
+            r._what = r._what[:3] + (g, seq)
+            r._on_timeout = self.on_timeout
+        return r
+
+    def describe(self, code):
+        """'shape .., dtype ..' of the group's last call of collective ``code``."""
+        p = self.last[code]
+        return p.describe() if p is not NEVER else "no array"
+
+    def barrier(self, async_op):
+        g = self.group
+        seq = g.seq + 1
+        g.seq = seq
+        v = seq << 4 | BARRIER
+        m, b = self.mem, self.row
+        m[b] = v
+        try:
+            r = self.transport.barrier(async_op)
+        finally:
+            m[b + 1] = v
+        if async_op:
+            r._what = r._what[:3] + (g, seq)
+            r._on_timeout = self.on_timeout
+        return r
+
+    def point_to_point(self, code, x, peer, tag, async_op, stream):
+        """send / recv: not numbered (only the two ranks take part), never reused."""
+        return self.transport.point_to_point(code, x, peer, tag, async_op, stream)
+
+    def forget(self):
+        """Drop every prepared call (the transport changed its settings)."""
+        self.last = [NEVER] * (len(COLLECTIVES) + 1)

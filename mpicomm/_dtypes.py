@@ -1,0 +1,116 @@
+"""The one dtype table: what each transport calls every dtype mpicomm accepts.
+
+One row per dtype: its NumPy name (bfloat16 from ml_dtypes on the CPU), whether it is
+floating or complex, whether MPI must reduce it in float32 (MPI has no float16 or
+bfloat16 reductions), the MPI datatype that moves it, the NCCL type (the name of a
+``cupy.cuda.nccl`` constant, with nccl.h's value where an older CuPy lacks it) and how
+many NCCL elements one element is (complex travels as two floats). The PyTorch dtype
+of each row is the one of the same name.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import invalid
+
+try:  # bfloat16 on the CPU
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+#        name          floating complex upcast MPI datatype        NCCL type (name, nccl.h value)  scale
+_ROWS = (("int8",        False, False, False, "INT8_T",            ("NCCL_INT8", 0), 1),
+         ("uint8",       False, False, False, "UINT8_T",           ("NCCL_UINT8", 1), 1),
+         ("int32",       False, False, False, "INT32_T",           ("NCCL_INT32", 2), 1),
+         ("uint32",      False, False, False, "UINT32_T",          ("NCCL_UINT32", 3), 1),
+         ("int64",       False, False, False, "INT64_T",           ("NCCL_INT64", 4), 1),
+         ("uint64",      False, False, False, "UINT64_T",          ("NCCL_UINT64", 5), 1),
+         ("float16",     True,  False, True,  "UINT16_T",          ("NCCL_FLOAT16", 6), 1),
+         ("bfloat16",    True,  False, True,  "UINT16_T",          ("NCCL_BFLOAT16", 9), 1),
+         ("float32",     True,  False, False, "FLOAT",             ("NCCL_FLOAT32", 7), 1),
+         ("float64",     True,  False, False, "DOUBLE",            ("NCCL_FLOAT64", 8), 1),
+         ("complex64",   False, True,  False, "C_FLOAT_COMPLEX",   ("NCCL_FLOAT32", 7), 2),
+         ("complex128",  False, True,  False, "C_DOUBLE_COMPLEX",  ("NCCL_FLOAT64", 8), 2))
+
+SUPPORTED = ", ".join(r[0] for r in _ROWS)
+
+
+class DType:
+    """One row of the table."""
+
+    __slots__ = ("name", "dtype", "floating", "complex", "upcast", "mpi", "nccl", "nccl_scale", "itemsize")
+
+    def __init__(self, name, dtype, floating, complex_, upcast, mpi, nccl, nccl_scale):
+        self.name = name
+        self.dtype = dtype            # the NumPy dtype
+        self.itemsize = dtype.itemsize
+        self.floating = floating
+        self.complex = complex_
+        self.upcast = upcast          # reduced in float32 on the MPI backend
+        self.mpi = mpi                # mpi4py datatype that moves it
+        self.nccl = nccl              # ncclDataType_t
+        self.nccl_scale = nccl_scale  # NCCL elements per element
+
+    def __repr__(self):
+        return f"DType({self.name})"
+
+
+_BY_NUMPY: dict = {}   # NumPy dtype -> DType
+_BY_NAME: dict = {}    # name -> DType
+_BY_TORCH: dict = {}   # torch.dtype -> DType (filled when the first tensor is seen)
+
+
+def _build():
+    from mpi4py import MPI
+    try:
+        from cupy.cuda import nccl as _nccl
+    except Exception:  # no CuPy: the NCCL column is never used
+        _nccl = None
+    for name, fl, cx, up, mpi, (nc_name, nc_val), scale in _ROWS:
+        dt = BFLOAT16 if name == "bfloat16" else np.dtype(name)
+        if dt is None:  # pragma: no cover
+            continue
+        row = DType(name, dt, fl, cx, up, getattr(MPI, mpi), getattr(_nccl, nc_name, nc_val), scale)
+        _BY_NUMPY[dt] = row
+        _BY_NAME[name] = row
+
+
+def of_numpy(dtype, arg="x"):
+    """The row of NumPy dtype ``dtype``; InvalidArgumentError naming what is supported."""
+    row = _BY_NUMPY.get(dtype)
+    if row is not None:
+        return row
+    if not _BY_NUMPY:
+        _build()
+        return of_numpy(dtype, arg)
+    name = getattr(dtype, "name", str(dtype))
+    dt = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
+    if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
+        raise invalid(f"{arg}.dtype", dt.str, f"a native (little-endian) dtype: convert with "
+                      f"x.astype(x.dtype.newbyteorder('=')); supported: {SUPPORTED}")
+    if name == "bfloat16" and BFLOAT16 is not None:  # a bfloat16 of another library
+        return _BY_NUMPY[BFLOAT16]
+    if dt.byteorder not in ("=", "|") and dt.newbyteorder("=") in _BY_NUMPY:
+        return _BY_NUMPY[dt.newbyteorder("=")]
+    raise invalid(f"{arg}.dtype", str(name), f"one of {SUPPORTED}")
+
+
+def of_name(name):
+    if not _BY_NAME:
+        _build()
+    return _BY_NAME[name]
+
+
+def of_torch(dtype, arg="x"):
+    """The row of PyTorch dtype ``dtype`` (the row of the same name)."""
+    row = _BY_TORCH.get(dtype)
+    if row is None:
+        if not _BY_NAME:
+            _build()
+        row = _BY_NAME.get(str(dtype).replace("torch.", ""))
+        if row is None:
+            raise invalid(f"{arg}.dtype", str(dtype), f"one of {SUPPORTED}")
+        _BY_TORCH[dtype] = row
+    return row

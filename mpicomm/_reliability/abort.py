@@ -1,0 +1,94 @@
+"""Ending the whole job: abort the NCCL communicators, then MPI; abort on an uncaught exception."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+
+
+def rank_prefix():
+    try:
+        from mpi4py import MPI
+
+        return f"[mpicomm rank {MPI.COMM_WORLD.Get_rank()}] "
+    except Exception:  # pragma: no cover
+        return "[mpicomm] "
+
+
+def abort_job(transports=(), grace=0.0):
+    """Abort the given transports (NCCL communicators), then the whole MPI job (never returns)."""
+    for t in transports:
+        try:
+            t.abort()
+        except Exception:
+            pass
+    if grace:
+        time.sleep(grace)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
+
+
+class ExceptHooks:
+    """``sys.excepthook`` and ``threading.excepthook`` that print the traceback with the rank
+    and abort the job (mpi4py's ``python -m mpi4py`` does the same)."""
+
+    def __init__(self, transports):
+        self.transports = transports   # () -> the live transports
+        self.prev = None
+
+    def install(self):
+        if self.prev is None:
+            self.prev = (sys.excepthook, threading.excepthook)
+        sys.excepthook = self._excepthook
+        threading.excepthook = self._thread_excepthook
+
+    def uninstall(self):
+        if self.prev is None:
+            return
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self.prev[0]
+        if threading.excepthook == self._thread_excepthook:
+            threading.excepthook = self.prev[1]
+        self.prev = None
+
+    def _excepthook(self, tp, val, tb):
+        p = rank_prefix()
+        text = "".join(traceback.format_exception(tp, val, tb))
+        sys.stderr.write(f"{p}uncaught exception; aborting the job "
+                         "(init(abort_on_exception=False) turns this off):\n"
+                         + "".join(p + line for line in text.splitlines(True)))
+        sys.stderr.flush()
+        abort_job(self.transports())
+
+    def _thread_excepthook(self, args):
+        if args.exc_type is SystemExit:
+            return
+        p = rank_prefix()
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        name = args.thread.name if args.thread is not None else "?"
+        sys.stderr.write(f"{p}uncaught exception in thread {name}; aborting the job:\n"
+                         + "".join(p + line for line in text.splitlines(True)))
+        sys.stderr.flush()
+        abort_job(self.transports())
+
+
+def quiet(fn):
+    """Run fn with fd 2 silenced: Open MPI's PyPI build prints a harmless osc/ucx component
+    message on every window creation on hosts without UCX devices."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except Exception:  # pragma: no cover
+        return fn()
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        return fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,206 @@
+"""The watchdog: a thread that notices a collective pending past the timeout and says why.
+
+It sleeps on an Event and wakes every ``min(1 s, timeout / 10)``. When it sees the
+same collective pending on two wakes further apart than the timeout, it reads the
+peers' progress rows, prints ``CollectiveTimeoutError: ...`` naming the collective,
+the group, its sequence number, shape, dtype and the ranks that have not reached it,
+aborts the NCCL communicators and then the job. Blocking MPI collectives stay
+blocking calls (much faster than a nonblocking call plus polling), so the thread that
+notices must be another one. NCCL calls return at once: for them the watchdog
+records a CUDA event on the stream of each group's last call (the transport's
+``last_stream``) and watches it.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .._ops import NAMES
+from ..errors import CollectiveTimeoutError
+from .abort import abort_job, rank_prefix
+from .progress import DONE, ENTERED, GHASH, HDR, READ_WAIT, ROWS, TDONE, F, ghash
+
+GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
+
+
+class Watchdog:
+    def __init__(self, progress, groups, timeout, world, device_id=None):
+        self.progress = progress
+        self.groups = groups           # () -> the live groups (each with .transport and .disp)
+        self.timeout = timeout
+        self.world = world
+        self.device_id = device_id     # the GPU to record events on (NCCL), else None
+        self.fired = False
+        self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self):
+        if self.timeout > 0:
+            self._thread = threading.Thread(target=self._loop, name="mpicomm-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+        self._thread = None
+
+    def _loop(self):
+        period = min(1.0, self.timeout / 10)
+        seen = {}       # row -> (entered word, first seen monotonic)
+        done = {}       # row -> last done word seen
+        events = {}     # row -> (done word, cuda event, recorded at, what, group)
+        if self.device_id is not None:
+            try:
+                import cupy
+
+                cupy.cuda.runtime.setDevice(self.device_id)
+            except Exception:
+                pass
+        while not self._stop.wait(period):
+            try:
+                self._tick(seen, done, events)
+            except Exception as e:  # never let the watchdog die silently
+                sys.stderr.write(f"{rank_prefix()}mpicomm watchdog error: {type(e).__name__}: {e}\n")
+            if self.fired:
+                return
+
+    def _tick(self, seen, done, events):
+        now = time.monotonic()
+        wall = int(time.time() * 1000)
+        p = self.progress
+        m = p.m
+        for g, b in list(p.rows.items()):  # b: index of the row's ENTERED word
+            e, d = m[b], m[b + 1]
+            if done.get(b) != d:  # stamp completion time here, not on the hot path
+                done[b] = d
+                m[b - ENTERED + TDONE] = wall
+            if e != d:
+                s = seen.get(b)
+                if s is None or s[0] != e:
+                    seen[b] = (e, now)
+                elif now - s[1] >= self.timeout:
+                    disp = getattr(g, "disp", None)
+                    desc = disp.describe(e & 15) if disp is not None else "?"
+                    self.fire(g, e >> 4, NAMES.get(e & 15, "?"), desc, now - s[1])
+                    return
+            else:
+                seen.pop(b, None)
+        if self.device_id is not None:
+            self._tick_gpu(events, now)
+        p.poke()
+
+    def _tick_gpu(self, events, now):
+        """Watch the GPU side of each group's last collective: when the group's done marker
+        has moved since the last event, record an event on the stream of its last call; an
+        event still pending after the timeout is a hang on the GPU."""
+        import cupy
+
+        m = self.progress.m
+        for g, b in list(self.progress.rows.items()):
+            t = getattr(g, "transport", None)
+            st = getattr(t, "last_stream", None)
+            if st is None:  # no GPU collective on this group yet (or an MPI group)
+                continue
+            d = m[b + 1]
+            ev = events.get(b)
+            if ev is None or (ev[0] != d and ev[1].done):
+                e = cupy.cuda.Event(block=False, disable_timing=True)
+                ptr = st if isinstance(st, int) else getattr(st, "ptr", None)
+                if ptr is None:
+                    ptr = st.cuda_stream
+                try:
+                    cupy.cuda.runtime.eventRecord(e.ptr, ptr)
+                except Exception:
+                    continue
+                events[b] = (d, e, now, t.last_what, g)
+                continue
+            d0, e, t0, what, g0 = ev
+            if not e.done and now - t0 >= self.timeout:
+                desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
+                self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True)
+                return
+
+    def fire(self, g, seq, name, desc, waited, gpu=False):
+        with self._lock:
+            if self.fired:
+                return
+            self.fired = True
+        msg = self.diagnose(g, seq, name, desc, waited, gpu=gpu)
+        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: {msg}\n"
+                         f"{rank_prefix()}aborting the job\n")
+        sys.stderr.flush()
+        abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
+                  grace=GRACE)
+
+    # ------------------------------------------------------------ diagnosis
+    def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None):
+        """The timeout message: what is pending here, and where every other rank of ``g`` is."""
+        limit = self.timeout if limit is None else limit
+        gh = ghash(g.name)
+        p = self.progress
+        states = p.read_peers(list(g.ranks))
+        nowms = int(time.time() * 1000)
+        missing, lines = [], []
+        for gr, wr in enumerate(g.ranks):
+            if wr == p.wrank:
+                continue
+            st = states.get(wr)
+            where = f"rank {wr}" if g is self.world else f"rank {wr} (rank {gr} of the group)"
+            if st is None:
+                missing.append(wr)
+                lines.append(f"  {where}: state unknown (no answer within {READ_WAIT:g} s: "
+                             "the process may have died)")
+                continue
+            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
+            mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
+            entered = int(mine[0][ENTERED]) >> 4 if mine else 0
+            if entered >= seq:
+                continue
+            missing.append(wr)
+            if mine:
+                r = mine[0]
+                last = (f"last call {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {entered} "
+                        f"on group {g.name!r}")
+                if r[DONE] == r[ENTERED] and r[TDONE]:
+                    last += f", finished {max(0, nowms - int(r[TDONE])) / 1000:.1f} s ago"
+            else:
+                last = f"no collective on group {g.name!r} yet"
+            inside = [r for r in rows if r[ENTERED] != r[DONE] and r[GHASH]]
+            if inside:
+                r = inside[0]
+                gname = p.names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
+                now = (f"inside {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {int(r[ENTERED]) >> 4} "
+                       f"on group {gname!r}")
+            else:
+                now = "not in a collective"
+            lines.append(f"  {where}: {last}; {now}")
+        what = f"{name} sequence {seq} on group {g.name!r} ({desc})"
+        head = (f"rank {p.wrank}: {what} did not complete within {limit:g} s "
+                f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
+        if missing:
+            head += (f"Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                     f"of {len(g.ranks)} {'have' if len(missing) > 1 else 'has'} not reached this call:\n")
+        else:
+            head += ("Every rank of the group has reached this call: it is stuck in the transport "
+                     "(network, a GPU kernel, or ranks that disagree on the arguments: try MPICOMM_DEBUG=1).\n")
+        tail = (f"  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s; "
+                f"sequence numbers count the collectives on a group from 1)")
+        return head + "\n".join(lines) + ("\n" if lines else "") + tail
+
+    def work_timeout(self, what, timeout):
+        """The error Work.wait raises when an async collective has not completed in time."""
+        name, shape, dtype = what[:3]
+        desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {dtype}"
+        if len(what) >= 5:
+            g, seq = what[3], what[4]
+            with self._lock:
+                msg = self.diagnose(g, seq, name, desc, timeout, limit=timeout)
+        else:
+            msg = f"{name} ({desc}) did not complete within {timeout:g} s"
+        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: {msg}\n")
+        sys.stderr.flush()
+        return CollectiveTimeoutError(msg)
