@@ -15,9 +15,9 @@ from .base import DoneWork
 CHUNK = 2 ** 30
 
 
-def pieces(n, per=1, chunk=CHUNK):
-    """Pieces ``(lo, hi)`` of range(n) such that ``per`` pieces together stay within ``chunk``."""
-    step = max(1, chunk // per)
+def pieces(n, per=1):
+    """Pieces ``(lo, hi)`` of range(n) such that ``per`` pieces together stay within CHUNK."""
+    step = max(1, CHUNK // per)
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 

@@ -47,6 +47,13 @@ class MPIBackend(Backend):
         return MPITransport(mpi_comm)
 
 
+def _plain_out(out, x, oshape, dtype):
+    """True when ``out=`` is a NumPy array of the call's shape and dtype that MPI can write
+    directly: C-contiguous, aligned, writable, sharing no memory with ``x``."""
+    return (out.__class__ is np.ndarray and out.dtype is dtype and out.shape == oshape and out.flags.carray
+            and not ((out.base is not None or x.base is not None) and np.may_share_memory(out, x)))
+
+
 def _host(x, arg="x"):
     """(contiguous host array, back): the call's input as MPI moves it."""
     if x.__class__ is np.ndarray and x.flags.c_contiguous:
@@ -164,47 +171,64 @@ class MPITransport:
             # else this call's arrays bring (a copy, an error) is left to run_any.
             inplace = MPI.IN_PLACE
 
-            def tail(x, o, sb):
-                if nbytes >= shm.min_all_reduce and shm.all_reduce(x, o, row, op) is not None:
+            def tail(x, o, sb, out):
+                """A message that may take the shared-memory path (which needs C-contiguous arrays)."""
+                if not x.flags.c_contiguous or not o.flags.carray:
+                    return run_any(x, out)
+                if shm.all_reduce(x, o, row, op) is not None:
                     return o
                 comm.Allreduce(sb, [o, dt], mop)
                 if avg:
                     np.divide(o, n, out=o)
                 return o
 
+            # mpi4py refuses a non-contiguous buffer, and a read-only receive buffer, before
+            # MPI starts (BufferError): for 1-d arrays, where contiguous is C-contiguous,
+            # that is the check, and run_any then raises the error that names the argument.
+            flat = len(shape) <= 1
+
             if role == 0:
                 def run(x, out):
-                    if not x.flags.c_contiguous:
+                    if not flat and not x.flags.c_contiguous:
                         return run_any(x, out)
                     o = np.empty(shape, dtype)
                     if nbytes < shm.min_all_reduce:
-                        comm.Allreduce([x, dt], [o, dt], mop)
+                        try:
+                            comm.Allreduce([x, dt], [o, dt], mop)
+                        except BufferError:
+                            return run_any(x, out)
                         if avg:
                             np.divide(o, n, out=o)
                         return o
-                    return tail(x, o, [x, dt])
+                    return tail(x, o, [x, dt], out)
             elif role == 1:
                 def run(x, out):
-                    if not x.flags.carray:   # C-contiguous, aligned and writable
+                    if not flat and not x.flags.carray:   # C-contiguous, aligned and writable
                         return run_any(x, out)
                     if nbytes < shm.min_all_reduce:
-                        comm.Allreduce(inplace, [x, dt], mop)
+                        try:
+                            comm.Allreduce(inplace, [x, dt], mop)
+                        except BufferError:
+                            return run_any(x, out)
                         if avg:
                             np.divide(x, n, out=x)
                         return x
-                    return tail(x, x, inplace)
+                    return tail(x, x, inplace, out)
             else:
                 def run(x, out):
                     if out.__class__ is not np.ndarray or out.dtype is not dtype or out.shape != shape \
-                            or not out.flags.carray or not x.flags.c_contiguous \
-                            or (out.base is not None or x.base is not None) and np.may_share_memory(out, x):
+                            or (out.base is not None or x.base is not None) and np.may_share_memory(out, x) \
+                            or not flat and (not out.flags.carray or not x.flags.c_contiguous):
                         return run_any(x, out)
                     if nbytes < shm.min_all_reduce:
-                        comm.Allreduce([x, dt], [out, dt], mop)
+                        try:
+                            comm.Allreduce([x, dt], [out, dt], mop)
+                        except BufferError:
+                            return run_any(x, out)
                         if avg:
                             np.divide(out, n, out=out)
                         return out
-                    return tail(x, out, [x, dt])
+                    return tail(x, out, [x, dt], out)
         else:
             run = None
 
@@ -213,11 +237,11 @@ class MPITransport:
             if not async_op and nbytes >= shm.min_all_reduce and shm.all_reduce(xh, o, row, op) is not None:
                 return fin(o) if fin is not None else (out if role == 2 else o)
             if size > MAX_COUNT:
-                return bigcount.all_reduce(lambda a, b: run_small(a, b, None), xh, o, fin, async_op, what)
+                return bigcount.all_reduce(lambda a, b: run_small(a, b, None, False), xh, o, fin, async_op, what)
             res = run_small(xh, o, fin)
             return out if role == 2 and fin is None and not async_op else res
 
-        def run_small(xh, o, fin):
+        def run_small(xh, o, fin, async_op=async_op):
             if upcast:  # float16 / bfloat16: reduce in float32, MPI has no such ops
                 t = xh.astype(_F32)
                 sb, rb = MPI.IN_PLACE, [t, MPI.FLOAT]
@@ -253,17 +277,23 @@ class MPITransport:
         onbytes, osize = xh.nbytes * n, xh.size * n
         what = ("all_gather", shape, dtype)
 
-        if x.__class__ is np.ndarray and role == 0 and osize <= MAX_COUNT and not async_op:
-            def run(x, out):
+        if x.__class__ is np.ndarray and role != 1 and osize <= MAX_COUNT and not async_op:
+            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
                 if not x.flags.c_contiguous:
-                    x = np.ascontiguousarray(x)
-                o = np.empty(oshape, dtype)
+                    return run_any(x, out)
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
                 if onbytes < shm.min_all_gather or shm.all_gather(x, o) is None:
                     comm.Allgather([x, dt], [o, dt])
                 return o
-            return Prepared(ALL_GATHER, x, out, None, async_op, stream, run)
+        else:
+            run = None
 
-        def run(x, out):
+        def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype)
             if not async_op and onbytes >= shm.min_all_gather and shm.all_gather(xh, o) is not None:
                 return fin(o) if fin is not None else (out if role == 2 else o)
@@ -271,10 +301,11 @@ class MPITransport:
                 return bigcount.all_gather(lambda a: self.all_gather_host(a), xh, o, n, fin, async_op, what)
             sb = MPI.IN_PLACE if o is xh else [xh, dt]
             post = (lambda: fin(o)) if fin is not None else None
-            return self._start(lambda: comm.Allgather(sb, [o, dt]), lambda: comm.Iallgather(sb, [o, dt]),
-                               async_op, o, post, (xh, o), what)
+            res = self._start(lambda: comm.Allgather(sb, [o, dt]), lambda: comm.Iallgather(sb, [o, dt]),
+                              async_op, o, post, (xh, o), what)
+            return out if role == 2 and fin is None and not async_op else res
 
-        return Prepared(ALL_GATHER, x, out, None, async_op, stream, run)
+        return Prepared(ALL_GATHER, x, out, None, async_op, stream, run or run_any)
 
     def all_gather_host(self, a):
         """All-gather of a contiguous host array (the pieces of a large call)."""
@@ -298,7 +329,25 @@ class MPITransport:
         avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
         what = ("reduce_scatter", shape, dtype)
 
-        def run(x, out):
+        if x.__class__ is np.ndarray and role != 1 and not upcast and size <= MAX_COUNT and not async_op:
+            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
+                if nbytes < shm.min_reduce_scatter or shm.reduce_scatter(x, o, row, op) is None:
+                    comm.Reduce_scatter_block([x, dt], [o, dt], mop)
+                    if avg:
+                        np.divide(o, n, out=o)
+                return o
+        else:
+            run = None
+
+        def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype)
             if not async_op and nbytes >= shm.min_reduce_scatter \
                     and shm.reduce_scatter(xh, o, row, op) is not None:
@@ -321,11 +370,12 @@ class MPITransport:
                     return fin(o) if fin is not None else None
             else:
                 post = None
-            return self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
-                               lambda: comm.Ireduce_scatter_block(sb, rb, mop),
-                               async_op, o, post, (xh, o, t, r), what)
+            res = self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
+                              lambda: comm.Ireduce_scatter_block(sb, rb, mop),
+                              async_op, o, post, (xh, o, t, r), what)
+            return out if role == 2 and fin is None and not async_op else res
 
-        return Prepared(REDUCE_SCATTER, x, out, op, async_op, stream, run)
+        return Prepared(REDUCE_SCATTER, x, out, op, async_op, stream, run or run_any)
 
     def reduce_scatter_host(self, a, op):
         """Reduce-scatter of a contiguous host array (the pieces of a large call)."""
@@ -347,7 +397,7 @@ class MPITransport:
 
         if x.__class__ is np.ndarray and not async_op and size <= MAX_COUNT:
             def run(x, out):
-                if not x.flags.c_contiguous or not x.flags.writeable:
+                if not x.flags.carray:   # C-contiguous, aligned and writable
                     return run_any(x, out)
                 if nbytes < shm.min_broadcast or shm.broadcast(x, root) is None:
                     comm.Bcast([x, dt], root)

@@ -13,7 +13,7 @@ import time
 
 from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
-from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, RECV, REDUCE, REDUCE_SCATTER,
+from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     check_op_dtype, nccl_ops)
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import Backend, Prepared, Work
@@ -91,6 +91,22 @@ class NCCLBackend(Backend):
 
     def make_transport(self, mpi_comm):
         return NCCLTransport(mpi_comm, self.device_id)
+
+
+def _prod(shape):
+    r = 1
+    for d in shape:
+        r *= int(d)
+    return r
+
+
+def _nbytes(a, kind):
+    return a.numel() * a.element_size() if kind == "torch" else a.nbytes
+
+
+def _overlap(p, nb, q, mb):
+    """True when [p, p+nb) and [q, q+mb) overlap, unless they are the same bytes (in place)."""
+    return p < q + mb and q < p + nb and not (p == q and nb == mb)
 
 
 def _torch_raw_stream():
@@ -237,7 +253,7 @@ class NCCLTransport:
             raise invalid("stream", stream, "a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t (int)")
         return lambda: (p, stream)
 
-    def _out_binder(self, kind, role, oshape, row, dtype, x0, what):
+    def _out_binder(self, kind, role, oshape, dtype, x0, what):
         """out(x, xa, xp, out) -> (output array, pointer, result) for this call."""
         bind = self._binder(kind)
         empty = self._empty(kind, x0, oshape)
@@ -266,59 +282,140 @@ class NCCLTransport:
                     raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
                 if o.dtype != dtype:
                     raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-                nb = o.nbytes if kind != "torch" else o.numel() * o.element_size()
-                xb = xa.nbytes if kind != "torch" else xa.numel() * xa.element_size()
-                if p < xp + xb and xp < p + nb:
-                    if p == xp and nb == xb:
-                        return o, p, out     # the same memory: in place
-                    raise invalid("out", "an array that overlaps x", "x itself (in place) or an array that "
-                                  "shares no memory with x")
+                if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)):
+                    raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
+                                  "memory (in place), or an array that shares no memory with x")
                 return o, p, out
         return out_of
 
-    def _finish(self, st, p, async_op, result, keep, what):
-        """Publish the stream for the watchdog; a Work for async_op."""
-        if st is not None:
-            self.last_stream = st
-            self.last_what = what
-        if async_op:
-            ev = self.cupy.cuda.Event(block=False, disable_timing=True)
-            self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
-            return NCCLWork(ev, result, what, keep)
-        return result
+    def _write_back(self, x, xa, xp, kind):
+        if kind == "torch":
+            if x.data_ptr() != xp:
+                x.copy_(xa)
+            return
+        cupy = self.cupy
+        v = x if kind == "cupy" else (cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x))
+        if v.data.ptr != xp:
+            v[...] = xa
 
-    def _prepare_reducing(self, code, x, out, op, async_op, stream, oshape_of, call, what_rule):
-        """all_reduce and reduce_scatter: ``call(comm, xp, op_ptr, count, type, op, s)``."""
+    def _work(self, p, result, keep, what):
+        ev = self.cupy.cuda.Event(block=False, disable_timing=True)
+        self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
+        return NCCLWork(ev, result, what, keep)
+
+    def _prepare_call(self, code, x, out, arg, async_op, stream, meth, extra, oshape_of, rule, count_div=1,
+                      op=None):
+        """Prepare one NCCL collective ``comm.<meth>(send, recv, count, type, *extra, stream)``.
+
+        ``oshape_of(shape)`` gives the output shape (and validates the input's); the count
+        is the input's elements (divided by ``count_div``: reduce_scatter counts the output).
+        The run binds this call's arrays: a contiguous array on this GPU, the output (new,
+        in place or ``out=``, checked), the stream; the common cases are written out for
+        CuPy arrays and PyTorch tensors, anything else takes ``run_any``, which checks
+        and converts step by step and raises the errors that name the argument.
+        """
         kind, row, a = self._family(x)
-        check_op_dtype(op, row)
+        if op is not None:
+            check_op_dtype(op, row)
         shape = tuple(a.shape)
-        oshape = oshape_of(shape)
+        oshape = tuple(oshape_of(shape))
+        bcast = code == BROADCAST
         role = 0 if out is None else (1 if out is x else 2)
+        if bcast:
+            role = 1      # broadcast: in place into x
+        dtype, itemsize = a.dtype, (a.dtype.itemsize if kind != "torch" else a.element_size())
+        nt = row.nccl
+        count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale // count_div
+        xnb = itemsize * (int(a.size) if kind != "torch" else a.numel())
+        onb = itemsize * _prod(oshape)
+        name = NAMES[code]
+        what = (name, shape, dtype)
         bind = self._binder(kind)
-        out_of = self._out_binder(kind, role, oshape, row, a.dtype, a, what_rule)
+        out_of = self._out_binder(kind, role, oshape, dtype, a, rule) if not bcast else None
         cur = self._streamer(stream, kind)
-        nt, nop = row.nccl, self._nop[op]
-        count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale
-        if code == REDUCE_SCATTER:
-            count //= self.size
-        what = (("all_reduce" if code == ALL_REDUCE else "reduce_scatter"), shape, a.dtype)
-        transport = self
+        transport, dev = self, self.device_id
         if role == 2:
-            out_of(x, *bind(x), out)  # check the first out= now, as on every rank
+            out_of(x, *bind(x), out)  # check the first out= now (every rank checks its own alike)
+        is_root = code != REDUCE or self.rank == arg[1]
 
-        def run(x, out):
+        def run_any(x, out):
             xa, xp = bind(x)
-            o, op_, res = out_of(x, xa, xp, out)
+            if bcast:
+                o, op_, res = xa, xp, x
+            else:
+                o, op_, res = out_of(x, xa, xp, out)
             p, st = cur()
-            call(transport.comm, xp, op_, count, nt, nop, p)
-            return transport._finish(st, p, async_op, res, (xa, o), what)
+            getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
+            if bcast and xa is not x:   # broadcast filled a contiguous copy of x: write it back
+                transport._write_back(x, xa, xp, kind)
+            if st is not None:
+                transport.last_stream, transport.last_what = st, what
+            if not is_root:
+                res = None
+            if async_op:
+                return transport._work(p, res, (xa, o), what)
+            return res
 
-        return Prepared(code, x, out, op, async_op, stream, run)
+        if async_op or kind == "other":
+            return Prepared(code, x, out, arg, async_op, stream, run_any)
+        ocls = x.__class__
+
+        if kind == "cupy":
+            empty = self._empty(kind, a, oshape)
+            if not hasattr(a, "_c_contiguous"):
+                return Prepared(code, x, out, arg, async_op, stream, run_any)
+
+            def run(x, out):
+                if not x._c_contiguous or x.data.device_id != dev:
+                    return run_any(x, out)
+                xp = x.data.ptr
+                if role == 0:
+                    res = empty()
+                    op_ = res.data.ptr
+                elif role == 1:
+                    res, op_ = x, xp
+                else:
+                    if out.__class__ is not ocls or not out._c_contiguous or out.dtype != dtype \
+                            or out.shape != oshape or out.data.device_id != dev:
+                        return run_any(x, out)
+                    op_ = out.data.ptr
+                    if _overlap(op_, onb, xp, xnb):
+                        return run_any(x, out)
+                    res = out
+                p, st = cur()
+                getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
+                transport.last_stream, transport.last_what = st, what
+                return res if is_root else None
+        else:  # torch
+            empty = self._empty(kind, a, oshape)
+
+            def run(x, out):
+                if not x.is_contiguous() or x.get_device() != dev:
+                    return run_any(x, out)
+                xp = x.data_ptr()
+                if role == 0:
+                    res = empty()
+                    op_ = res.data_ptr()
+                elif role == 1:
+                    res, op_ = x, xp
+                else:
+                    if out.__class__ is not ocls or out.dtype is not dtype or out.shape != oshape \
+                            or not out.is_contiguous() or out.get_device() != dev:
+                        return run_any(x, out)
+                    op_ = out.data_ptr()
+                    if _overlap(op_, onb, xp, xnb):
+                        return run_any(x, out)
+                    res = out
+                p, st = cur()
+                getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
+                transport.last_stream, transport.last_what = st, what
+                return res if is_root else None
+
+        return Prepared(code, x, out, arg, async_op, stream, run)
 
     def _prepare_all_reduce(self, x, out, op, async_op, stream):
-        return self._prepare_reducing(ALL_REDUCE, x, out, op, async_op, stream, lambda s: s,
-                                      lambda c, xp, op_, n, t, o, s: c.allReduce(xp, op_, n, t, o, s),
-                                      "all_reduce keeps the shape")
+        return self._prepare_call(ALL_REDUCE, x, out, op, async_op, stream, "allReduce", (self._nop[op],),
+                                  lambda s: s, "all_reduce keeps the shape", op=op)
 
     def _prepare_reduce_scatter(self, x, out, op, async_op, stream):
         n = self.size
@@ -328,84 +425,26 @@ class NCCLTransport:
                 raise invalid("x.shape", s, f"a first axis divisible by the group size {n} "
                               "(reduce_scatter splits axis 0 into one chunk per rank)")
             return (s[0] // n,) + s[1:]
-        return self._prepare_reducing(REDUCE_SCATTER, x, out, op, async_op, stream, oshape,
-                                      lambda c, xp, op_, cnt, t, o, s: c.reduceScatter(xp, op_, cnt, t, o, s),
-                                      f"reduce_scatter gives each rank 1/{n} of axis 0")
+        return self._prepare_call(REDUCE_SCATTER, x, out, op, async_op, stream, "reduceScatter",
+                                  (self._nop[op],), oshape, f"reduce_scatter gives each rank 1/{n} of axis 0",
+                                  count_div=n, op=op)
 
     def _prepare_all_gather(self, x, out, _, async_op, stream):
-        kind, row, a = self._family(x)
         n = self.size
-        shape = tuple(a.shape)
-        oshape = (n * shape[0],) + shape[1:] if shape else (n,)
-        role = 0 if out is None else (1 if out is x else 2)
-        bind = self._binder(kind)
-        out_of = self._out_binder(kind, role, oshape, row, a.dtype, a, f"all_gather gives axis 0 {n} times as long")
-        cur = self._streamer(stream, kind)
-        nt = row.nccl
-        count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale
-        what = ("all_gather", shape, a.dtype)
-        transport = self
-        if role == 2:
-            out_of(x, *bind(x), out)
-
-        def run(x, out):
-            xa, xp = bind(x)
-            o, op_, res = out_of(x, xa, xp, out)
-            p, st = cur()
-            transport.comm.allGather(xp, op_, count, nt, p)
-            return transport._finish(st, p, async_op, res, (xa, o), what)
-
-        return Prepared(ALL_GATHER, x, out, None, async_op, stream, run)
+        return self._prepare_call(ALL_GATHER, x, out, None, async_op, stream, "allGather", (),
+                                  lambda s: (n * s[0],) + s[1:] if s else (n,),
+                                  f"all_gather gives axis 0 {n} times as long")
 
     def _prepare_broadcast(self, x, out, root, async_op, stream):
         root = self.host._root(root)
-        kind, row, a = self._family(x)
-        bind = self._binder(kind)
-        cur = self._streamer(stream, kind)
-        nt = row.nccl
-        count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale
-        what = ("broadcast", tuple(a.shape), a.dtype)
-        transport = self
-
-        def run(x, out):
-            xa, xp = bind(x)
-            p, st = cur()
-            transport.comm.broadcast(xp, xp, count, nt, root, p)
-            if xa is not x:   # a non-contiguous input: broadcast filled a copy; write it back
-                if kind == "torch":
-                    x.copy_(xa)
-                else:
-                    x[...] = xa
-            return transport._finish(st, p, async_op, x, (xa,), what)
-
-        return Prepared(BROADCAST, x, out, root, async_op, stream, run)
+        return self._prepare_call(BROADCAST, x, None, root, async_op, stream, "broadcast", (root,),
+                                  lambda s: s, "broadcast fills x in place")
 
     def _prepare_reduce(self, x, out, arg, async_op, stream):
         op, root = arg
         root = self.host._root(root)
-        kind, row, a = self._family(x)
-        check_op_dtype(op, row)
-        shape = tuple(a.shape)
-        role = 0 if out is None else (1 if out is x else 2)
-        bind = self._binder(kind)
-        out_of = self._out_binder(kind, role, shape, row, a.dtype, a, "reduce keeps the shape")
-        cur = self._streamer(stream, kind)
-        nt, nop = row.nccl, self._nop[op]
-        count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale
-        what = ("reduce", shape, a.dtype)
-        is_root = self.rank == root
-        transport = self
-        if role == 2:
-            out_of(x, *bind(x), out)
-
-        def run(x, out):
-            xa, xp = bind(x)
-            o, op_, res = out_of(x, xa, xp, out)
-            p, st = cur()
-            transport.comm.reduce(xp, op_, count, nt, nop, root, p)
-            return transport._finish(st, p, async_op, res if is_root else None, (xa, o), what)
-
-        return Prepared(REDUCE, x, out, arg, async_op, stream, run)
+        return self._prepare_call(REDUCE, x, out, (op, root), async_op, stream, "reduce", (self._nop[op], root),
+                                  lambda s: s, "reduce keeps the shape", op=op)
 
     def _prepare_all_to_all(self, x, out, _, async_op, stream):
         kind, row, a = self._family(x)
@@ -416,7 +455,7 @@ class NCCLTransport:
                           "(all_to_all sends chunk j of axis 0 to rank j)")
         role = 0 if out is None else (1 if out is x else 2)
         bind = self._binder(kind)
-        out_of = self._out_binder(kind, role, shape, row, a.dtype, a, "all_to_all keeps the shape")
+        out_of = self._out_binder(kind, role, shape, a.dtype, a, "all_to_all keeps the shape")
         cur = self._streamer(stream, kind)
         nt = row.nccl
         count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale // n
@@ -442,7 +481,11 @@ class NCCLTransport:
                     c.recv(op_ + j * nbytes, count, nt, j, p)
             finally:
                 nccl.groupEnd()
-            return transport._finish(st, p, async_op, res, (xa, o), what)
+            if st is not None:
+                transport.last_stream, transport.last_what = st, what
+            if async_op:
+                return transport._work(p, res, (xa, o), what)
+            return res
 
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
@@ -466,7 +509,8 @@ class NCCLTransport:
         else:
             self.comm.send(xp, count, row.nccl, peer, p)
         what = ("recv" if code == RECV else "send", tuple(xa.shape), xa.dtype)
-        return self._finish(None, p, async_op, x if code == RECV else None, (xa,), what)
+        res = x if code == RECV else None
+        return self._work(p, res, (xa,), what) if async_op else res
 
     def barrier(self, async_op):
         return self.host.barrier(async_op)
