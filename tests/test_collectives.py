@@ -92,6 +92,19 @@ def in_group(group):
     return mpicomm.get_rank() in members(group)
 
 
+def outside(group, fn):
+    """On a rank outside the group: using the group is refused, naming it (asserted here so
+    that the test asserts on every rank)."""
+    with pytest.raises(mpicomm.InvalidArgumentError, match="a group this rank belongs to"):
+        fn(np.ones(2 * mpicomm.get_group_size(), np.float32), group=group)
+
+
+def refused_op(fn, op, dt, **kw):
+    """An op the dtype does not allow is refused, naming op (on every rank)."""
+    with pytest.raises(mpicomm.InvalidArgumentError, match="op"):
+        fn(data(0, "x", (2 * mpicomm.get_group_size(),), dt), op, **kw)
+
+
 GROUPS = ["world", "sub"]
 
 
@@ -122,7 +135,7 @@ def test_all_reduce(comm, subgroup, op, dt, which, async_op, request):
             mpicomm.all_reduce(data(0, "x", (3,), dt), op)
         return
     if not in_group(group):
-        return
+        return outside(group, mpicomm.all_reduce)
     key = request.node.name
     shape = (5, 3)
     world = members(group)
@@ -143,7 +156,7 @@ def test_all_reduce(comm, subgroup, op, dt, which, async_op, request):
 def test_all_gather(comm, subgroup, dt, which, async_op, request):
     group = pick(which, subgroup)
     if not in_group(group):
-        return
+        return outside(group, mpicomm.all_gather)
     key = request.node.name
     world = members(group)
     x = data(mpicomm.get_rank(), key, (2, 3), dt)
@@ -167,8 +180,10 @@ def test_all_gather_mindspore_example(comm):
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.value)
 def test_reduce_scatter(comm, subgroup, op, dt, which, async_op, request):
     group = pick(which, subgroup)
-    if not in_group(group) or not allowed(op, dt):
-        return
+    if not allowed(op, dt):
+        return refused_op(mpicomm.reduce_scatter, op, dt)
+    if not in_group(group):
+        return outside(group, mpicomm.reduce_scatter)
     key = request.node.name
     world = members(group)
     n = len(world)
@@ -185,7 +200,7 @@ def test_reduce_scatter(comm, subgroup, op, dt, which, async_op, request):
 def test_broadcast(comm, subgroup, dt, which, async_op, request):
     group = pick(which, subgroup)
     if not in_group(group):
-        return
+        return outside(group, mpicomm.broadcast)
     key = request.node.name
     world = members(group)
     for root in range(len(world)):
@@ -201,8 +216,10 @@ def test_broadcast(comm, subgroup, dt, which, async_op, request):
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG], ids=lambda o: o.value)
 def test_reduce(comm, subgroup, op, dt, which, async_op, request):
     group = pick(which, subgroup)
-    if not in_group(group) or not allowed(op, dt):
-        return
+    if not allowed(op, dt):
+        return refused_op(mpicomm.reduce, op, dt)
+    if not in_group(group):
+        return outside(group, mpicomm.reduce)
     key = request.node.name
     world = members(group)
     root = len(world) - 1
@@ -220,7 +237,7 @@ def test_reduce(comm, subgroup, op, dt, which, async_op, request):
 def test_all_to_all(comm, subgroup, dt, which, async_op, request):
     group = pick(which, subgroup)
     if not in_group(group):
-        return
+        return outside(group, mpicomm.all_to_all)
     key = request.node.name
     world = members(group)
     n, me = len(world), mpicomm.get_rank(group)

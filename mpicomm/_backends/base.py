@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 
 from .._ops import NAMES
+from ..errors import CollectiveTimeoutError
 
 
 class Prepared:
@@ -43,7 +44,8 @@ class Prepared:
 
     def __init__(self, code, x, out, arg, async_op, stream, run, reuse=True):
         self.code = code
-        self.cls = x.__class__ if reuse else None
+        # only arrays whose class has .shape and .dtype can be compared by the dispatcher
+        self.cls = x.__class__ if reuse and hasattr(x, "shape") and hasattr(x, "dtype") else None
         self.shape = getattr(x, "shape", None)
         self.dtype = getattr(x, "dtype", None)
         self.arg = arg
@@ -133,8 +135,6 @@ class Work:
         """Between polls: MPI needs polling for progress; GPU work does not."""
 
     def _timed_out(self, timeout):
-        from ..errors import CollectiveTimeoutError
-
         if self._on_timeout is not None:
             raise self._on_timeout(self._what, timeout)
         name, shape, dtype = self._what[:3]

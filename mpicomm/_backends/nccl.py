@@ -15,6 +15,7 @@ from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     check_op_dtype, nccl_ops)
+from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import Backend, Prepared, Work
 from .mpi import MPITransport
@@ -85,8 +86,6 @@ class NCCLBackend(Backend):
             raise BackendUnavailableError(
                 "the NCCL backend needs a GPU, and CuPy sees none here" + (f" ({err})" if err else "")
                 + "; use init(backend='mpi') or unset MPICOMM_BACKEND")
-        from .._topology import select_gpu
-
         self.device_id = select_gpu(local_rank)  # before any NCCL communicator exists
 
     def make_transport(self, mpi_comm):
@@ -222,7 +221,8 @@ class NCCLTransport:
         if kind == "torch":
             import torch
 
-            return lambda: torch.empty(shape, dtype=like.dtype, device=like.device)
+            dtype, device = like.dtype, like.device
+            return lambda: torch.empty(shape, dtype=dtype, device=device)
         cupy, dtype = self.cupy, like.dtype
         return lambda: cupy.empty(shape, dtype)
 
@@ -356,14 +356,18 @@ class NCCLTransport:
                 return transport._work(p, res, (xa, o), what)
             return res
 
-        if async_op or kind == "other":
+        if async_op or kind == "other" or (kind == "cupy" and not hasattr(a, "_c_contiguous")):
             return Prepared(code, x, out, arg, async_op, stream, run_any)
-        ocls = x.__class__
+        # The common cases written out (a Python call costs about as much as a check):
+        # the NCCL call by collective, the stream, the overlap test inline.
+        ocls, empty = x.__class__, self._empty(kind, a, oshape)
+        k = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE).index(code)
+        e0, e1 = (tuple(extra) + (None, None))[:2]
+        given = stream is not None
+        p0, st0 = cur() if given else (None, None)
 
         if kind == "cupy":
-            empty = self._empty(kind, a, oshape)
-            if not hasattr(a, "_c_contiguous"):
-                return Prepared(code, x, out, arg, async_op, stream, run_any)
+            get = self.cupy.cuda.get_current_stream
 
             def run(x, out):
                 if not x._c_contiguous or x.data.device_id != dev:
@@ -379,15 +383,29 @@ class NCCLTransport:
                             or out.shape != oshape or out.data.device_id != dev:
                         return run_any(x, out)
                     op_ = out.data.ptr
-                    if _overlap(op_, onb, xp, xnb):
+                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb):
                         return run_any(x, out)
                     res = out
-                p, st = cur()
-                getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
+                if given:
+                    p, st = p0, st0
+                else:
+                    st = get()
+                    p = st.ptr
+                c = transport.comm
+                if k == 0:
+                    c.allReduce(xp, op_, count, nt, e0, p)
+                elif k == 1:
+                    c.reduceScatter(xp, op_, count, nt, e0, p)
+                elif k == 2:
+                    c.allGather(xp, op_, count, nt, p)
+                elif k == 3:
+                    c.broadcast(xp, op_, count, nt, e0, p)
+                else:
+                    c.reduce(xp, op_, count, nt, e0, e1, p)
                 transport.last_stream, transport.last_what = st, what
                 return res if is_root else None
         else:  # torch
-            empty = self._empty(kind, a, oshape)
+            raw = _torch_raw_stream()
 
             def run(x, out):
                 if not x.is_contiguous() or x.get_device() != dev:
@@ -403,11 +421,24 @@ class NCCLTransport:
                             or not out.is_contiguous() or out.get_device() != dev:
                         return run_any(x, out)
                     op_ = out.data_ptr()
-                    if _overlap(op_, onb, xp, xnb):
+                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb):
                         return run_any(x, out)
                     res = out
-                p, st = cur()
-                getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
+                if given:
+                    p, st = p0, st0
+                else:
+                    p = st = raw(dev)
+                c = transport.comm
+                if k == 0:
+                    c.allReduce(xp, op_, count, nt, e0, p)
+                elif k == 1:
+                    c.reduceScatter(xp, op_, count, nt, e0, p)
+                elif k == 2:
+                    c.allGather(xp, op_, count, nt, p)
+                elif k == 3:
+                    c.broadcast(xp, op_, count, nt, e0, p)
+                else:
+                    c.reduce(xp, op_, count, nt, e0, e1, p)
                 transport.last_stream, transport.last_what = st, what
                 return res if is_root else None
 

@@ -54,7 +54,7 @@ BREAK_ENV = "MPICOMM_SMOKE_BREAK"
 def np_dtype(name):
     """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
     if name == "bfloat16":
-        from .._arrays import BFLOAT16
+        from .._dtypes import BFLOAT16
 
         if BFLOAT16 is None:
             raise ValueError("bfloat16 needs ml_dtypes")

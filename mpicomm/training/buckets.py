@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 
 from .. import _collectives as collectives
-from .._arrays import BFLOAT16
+from .._dtypes import BFLOAT16, FLOAT_NAMES
 from .._ops import ReduceOp, as_op
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
@@ -246,7 +246,7 @@ class _Torch:
 
 
 NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()
-_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+_FLOAT_NAMES = FLOAT_NAMES   # the dtypes gradients may have
 
 
 def _family(x, arg):
