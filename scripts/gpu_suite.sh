@@ -75,16 +75,11 @@ if want train && [ -f scripts/train_data_parallel.py ]; then
     step "train-np$NGPU" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/train_data_parallel.py --min-accuracy 0.9
 fi
 B=("$PY" -m mpicomm.tools.bench --backend nccl --compare)
-if want profile; then
-    step "profile-call-np$NGPU" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/profile_call.py --iters 20000
-    step "profile-call-bench-like" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/profile_call.py --iters 20000 \
-        --stream nonblocking --op str
-fi
-if want bench8 || want bench; then
-    for c in all_reduce all_gather reduce_scatter broadcast; do
-        step "bench-8B-median-$c" 200 "${MPI[@]}" "$NGPU" "${B[@]}" --coll "$c" -b 8 -e 8 -n 20000 -w 1000 \
-            --rounds 10 --stat median
-    done
+if want profile || want bench8 || want bench; then  # us per call at 8 bytes, mpicomm against raw
+    step "percall-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --json "$RES/percall.json"
+    step "percall-fresh-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --json "$RES/percall_fresh.json"
+    step "percall-torch-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --array torch \
+        --json "$RES/percall_torch.json"
 fi
 if want buckets; then
     step "gpu-buckets-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py tests/test_train.py
@@ -104,8 +99,13 @@ if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
     done
     step "bench-buckets" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
         --json "$RES/bench_buckets.json" --plot "$RES/bench_buckets.png"
-    step "bench-buckets-script" 300 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_buckets.py --iters 50 --warmup 5 \
-        --rounds 5 --modes per-tensor buckets buckets:4 one-buffer
+    step "bench-buckets-caps" 300 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 --stat median \
+        --bucket-cap-mb 25,4,0 --json "$RES/bench_buckets_caps.json"
+    for a in fresh torch; do  # new arrays every call; PyTorch CUDA tensors
+        opt=(--fresh); [ "$a" = torch ] && opt=(--array torch)
+        step "bench-all_reduce-$a" 300 "${MPI[@]}" "$NGPU" "${B[@]}" "${opt[@]}" --coll all_reduce -b 8 -e 1G -f 4 \
+            -n 0 --target-time 0.25 -w 5 --rounds 4 --json "$RES/bench_all_reduce_$a.json"
+    done
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"
