@@ -54,6 +54,10 @@ def _plain_out(out, x, oshape, dtype):
             and not ((out.base is not None or x.base is not None) and np.may_share_memory(out, x)))
 
 
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
 def _host(x, arg="x"):
     """(contiguous host array, back): the call's input as MPI moves it."""
     if x.__class__ is np.ndarray and x.flags.c_contiguous:
@@ -101,7 +105,7 @@ class MPITransport:
         return root
 
     @staticmethod
-    def _check_role(x, out, xh, oshape, what):
+    def _check_role(x, out, xh, oshape, what, slot=None):
         """Validate the first call's ``out=`` (the run checks each later one)."""
         if out is None:
             return
@@ -110,13 +114,17 @@ class MPITransport:
                 raise invalid("out", "x (in place)", f"an array of shape {oshape}: {what}")
             check_writable(x, "out")
             return
-        host_out(out, oshape, xh.dtype, xh)
+        o, _ = host_out(out, oshape, xh.dtype)
+        if np.may_share_memory(o, xh) and not same_memory(o, xh) and not (slot and slot(o, xh)):
+            raise overlap_error()
 
     @staticmethod
-    def _bind(x, out, role, oshape, dtype):
+    def _bind(x, out, role, oshape, dtype, slot=None):
         """(host input, host output, finish): this call's arrays as MPI moves them.
 
         ``finish(o)`` turns the host output into the result the caller gets (None: ``o``).
+        ``slot(o, x)`` tells whether an ``out=`` that overlaps ``x`` is the collective's own
+        in-place form (x is this rank's part of out, or out this rank's part of x).
         """
         xh, back = _host(x)
         if role == 0:
@@ -136,11 +144,23 @@ class MPITransport:
             o, wb = host_out(out, oshape, dtype)
         if np.may_share_memory(o, xh):
             if not same_memory(o, xh):
+                if slot is not None and slot(o, xh):
+                    return xh, o, wb
                 raise overlap_error()
             if wb is None:
                 return o, o, None          # out is a view of exactly x's memory: in place
             xh = xh.copy()
         return xh, o, wb
+
+    def _slot_gather(self, o, x):
+        """x is exactly this rank's part of all_gather's output ``o`` (in place)."""
+        return o.nbytes == self.size * x.nbytes and \
+            _addr(x) == _addr(o) + self.rank * x.nbytes
+
+    def _slot_scatter(self, o, x):
+        """``o`` is exactly this rank's part of reduce_scatter's input ``x`` (in place)."""
+        return x.nbytes == self.size * o.nbytes and \
+            _addr(o) == _addr(x) + self.rank * o.nbytes
 
     def _start(self, blocking, nonblocking, async_op, result, post, keep, what):
         """Run the transport call, then the post-step; or start it and return a Work."""
@@ -272,7 +292,8 @@ class MPITransport:
         n, comm, shm = self.size, self.comm, self.shm
         shape, dtype, dt = xh.shape, xh.dtype, row.mpi
         oshape = (n * shape[0],) + shape[1:] if xh.ndim else (n,)
-        self._check_role(x, out, xh, oshape, f"all_gather gives axis 0 {n} times as long")
+        slot = self._slot_gather
+        self._check_role(x, out, xh, oshape, f"all_gather gives axis 0 {n} times as long", slot)
         role = 0 if out is None else (1 if out is x else 2)
         onbytes, osize = xh.nbytes * n, xh.size * n
         what = ("all_gather", shape, dtype)
@@ -294,12 +315,13 @@ class MPITransport:
             run = None
 
         def run_any(x, out):
-            xh, o, fin = self._bind(x, out, role, oshape, dtype)
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
             if not async_op and onbytes >= shm.min_all_gather and shm.all_gather(xh, o) is not None:
                 return fin(o) if fin is not None else (out if role == 2 else o)
             if osize > MAX_COUNT:
                 return bigcount.all_gather(lambda a: self.all_gather_host(a), xh, o, n, fin, async_op, what)
-            sb = MPI.IN_PLACE if o is xh else [xh, dt]
+            # in place: x is o itself (one rank) or this rank's part of o
+            sb = MPI.IN_PLACE if o is xh or role == 2 and np.may_share_memory(o, xh) else [xh, dt]
             post = (lambda: fin(o)) if fin is not None else None
             res = self._start(lambda: comm.Allgather(sb, [o, dt]), lambda: comm.Iallgather(sb, [o, dt]),
                               async_op, o, post, (xh, o), what)
@@ -324,7 +346,8 @@ class MPITransport:
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
         shape, dtype, dt, mop = xh.shape, xh.dtype, row.mpi, self._mop[op]
         oshape = (shape[0] // n,) + shape[1:]
-        self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0")
+        slot = self._slot_scatter
+        self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0", slot)
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
         what = ("reduce_scatter", shape, dtype)
@@ -348,8 +371,11 @@ class MPITransport:
             run = None
 
         def run_any(x, out):
-            xh, o, fin = self._bind(x, out, role, oshape, dtype)
-            if not async_op and nbytes >= shm.min_reduce_scatter \
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            # in place (out is this rank's part of x): MPI's in-place form keeps the result
+            # elsewhere, so reduce into a temporary and copy it there
+            part = role == 2 and o is not xh and np.may_share_memory(o, xh)
+            if not async_op and not part and nbytes >= shm.min_reduce_scatter \
                     and shm.reduce_scatter(xh, o, row, op) is not None:
                 return fin(o) if fin is not None else (out if role == 2 else o)
             if size > MAX_COUNT:
@@ -359,9 +385,9 @@ class MPITransport:
                 t, r = xh.astype(_F32), np.empty(oshape, _F32)
                 sb, rb = [t, MPI.FLOAT], [r, MPI.FLOAT]
             else:
-                t, r = None, o
-                sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [o, dt]
-            if avg or upcast or fin is not None:
+                t, r = None, (np.empty(oshape, dtype) if part else o)
+                sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [r, dt]
+            if avg or upcast or part or fin is not None:
                 def post():
                     if avg:
                         np.divide(r, n, out=r)

@@ -253,11 +253,24 @@ class NCCLTransport:
             raise invalid("stream", stream, "a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t (int)")
         return lambda: (p, stream)
 
-    def _out_binder(self, kind, role, oshape, dtype, x0, what):
+    def _out_binder(self, kind, role, oshape, dtype, x0, what, code=None):
         """out(x, xa, xp, out) -> (output array, pointer, result) for this call."""
         bind = self._binder(kind)
         empty = self._empty(kind, x0, oshape)
         tshape = tuple(oshape)
+        xnb = _nbytes(x0, kind)
+        onb = xnb * self.size if code == ALL_GATHER else (xnb // self.size if code == REDUCE_SCATTER else xnb)
+        rank = self.rank
+
+        def slot(p, xp):
+            """The collective's own in-place form: x is this rank's part of out (all_gather),
+            or out this rank's part of x (reduce_scatter); NCCL does both in place."""
+            if code == ALL_GATHER:
+                return xp == p + rank * xnb
+            if code == REDUCE_SCATTER:
+                return p == xp + rank * onb
+            return False
+
         if role == 0:
             def out_of(x, xa, xp, out):
                 o = empty()
@@ -282,7 +295,7 @@ class NCCLTransport:
                     raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
                 if o.dtype != dtype:
                     raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-                if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)):
+                if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)) and not slot(p, xp):
                     raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
                                   "memory (in place), or an array that shares no memory with x")
                 return o, p, out
@@ -331,7 +344,7 @@ class NCCLTransport:
         name = NAMES[code]
         what = (name, shape, dtype)
         bind = self._binder(kind)
-        out_of = self._out_binder(kind, role, oshape, dtype, a, rule) if not bcast else None
+        out_of = self._out_binder(kind, role, oshape, dtype, a, rule, code) if not bcast else None
         cur = self._streamer(stream, kind)
         transport, dev = self, self.device_id
         if role == 2:

@@ -13,9 +13,10 @@ busbw and #wrong, out-of-place and in-place), with its bus-bandwidth factors: al
 are per call, averaged over the iterations and the maximum over ranks. ``size`` is one
 rank's largest buffer (the gathered output of all_gather, the input of reduce_scatter),
 ``count`` the elements per rank of nccl-tests' parameter count. As nccl-tests does,
-mpicomm gets preallocated ``out=`` arrays. Where mpicomm has no such form (broadcast
-is in place only; all_gather, reduce_scatter and all_to_all have no in-place form, as
-an ``out=`` may not overlap its input) the columns say N/A.
+mpicomm gets preallocated ``out=`` arrays. In place is nccl-tests' form: all_gather's
+input is this rank's part of its output, reduce_scatter's output is this rank's part of
+its input. Where mpicomm has no such form (broadcast is in place only, all_to_all has no
+in-place form) the columns say N/A.
 
 ``--compare`` also times the raw library in the same run, on its own communicator and
 the same buffers, interleaved with mpicomm per size (mpicomm, raw, raw, mpicomm, ... in

@@ -62,19 +62,20 @@ class Case:
             host_in = make_data(data_op, dt, rank, c)
         out_count = {"all_gather": n * c, "reduce_scatter": c, "all_to_all": n * c}.get(coll, c)
         self.host_in = host_in
-        # all_gather, reduce_scatter and all_to_all have no in-place form: an out= may not
-        # overlap x, save x itself
+        # In place (nccl-tests' form): all_gather's input is this rank's part of its output,
+        # reduce_scatter's output is this rank's part of its input; all_to_all has none.
         ins = [fam.from_host(host_in) if coll != "broadcast" else None for _ in range(pool)]
         outs = [fam.zeros(out_count, dt) for _ in range(pool)]
         oops, ips = [], []
+        part = slice(rank * c, (rank + 1) * c)
         for x, o in zip(ins, outs):
             oop = ip = None  # in place: on o, with out=o
             if coll == "all_reduce":
                 oop, ip = p(mc.all_reduce, x, op, o), p(mc.all_reduce, o, op, o)
             elif coll == "all_gather":
-                oop = p(mc.all_gather, x, o)
+                oop, ip = p(mc.all_gather, x, o), p(mc.all_gather, o[part], o)
             elif coll == "reduce_scatter":
-                oop = p(mc.reduce_scatter, x, op, o)
+                oop, ip = p(mc.reduce_scatter, x, op, o), p(mc.reduce_scatter, x, op, x[part])
             elif coll == "broadcast":
                 ip = p(mc.broadcast, o, root)
             elif coll == "reduce":
@@ -107,9 +108,9 @@ class Case:
             if coll == "all_reduce":
                 f, g = raw.all_reduce(x, o, c)
             elif coll == "all_gather":
-                f, g = raw.all_gather(x, o, c), None
+                f, g = raw.all_gather(x, o, c)
             elif coll == "reduce_scatter":
-                f, g = raw.reduce_scatter(x, o, c), None
+                f, g = raw.reduce_scatter(x, o, c)
             elif coll == "broadcast":
                 f, g = None, raw.broadcast(o, c)
             elif coll == "reduce":
@@ -154,8 +155,15 @@ class Case:
 
     def check_ip(self):
         b, wrong = self.b, 0
-        for f, o in zip(self._ips, self._outs):
-            b.family.copy_in(o, self.host_in)
+        part = slice(b.rank * self.count, (b.rank + 1) * self.count)
+        for f, x, o in zip(self._ips, self._ins, self._outs):
+            if self.coll == "all_gather":      # the input is this rank's part of o
+                b.family.copy_in(o[part], self.host_in)
+            elif self.coll == "reduce_scatter":  # the output is this rank's part of x
+                b.family.copy_in(x, self.host_in)
+                o = x[part]
+            else:
+                b.family.copy_in(o, self.host_in)
             f()
             b.synchronize()
             wrong += self._count_wrong(o)

@@ -57,13 +57,17 @@ class RawMPI:
                 self._then_divide(p(comm.Allreduce, self.MPI.IN_PLACE, recv, mop), recv))
 
     def all_gather(self, send, recv, c):
-        return functools.partial(self.comm.Allgather, self._b(send), self._b(recv))
+        """(out of place, in place: the input already in this rank's part of recv)."""
+        p, comm = functools.partial, self.comm
+        return p(comm.Allgather, self._b(send), self._b(recv)), p(comm.Allgather, self.MPI.IN_PLACE, self._b(recv))
 
     def reduce_scatter(self, send, recv, c):
+        """(out of place, in place: MPI's form, the input in send and the result at its start)."""
         if not self.reduce_ok:
-            return None
-        f = functools.partial(self.comm.Reduce_scatter_block, send, recv, self.mop)
-        return self._then_divide(f, recv)
+            return None, None
+        p, comm, mop = functools.partial, self.comm, self.mop
+        return (self._then_divide(p(comm.Reduce_scatter_block, send, recv, mop), recv),
+                self._then_divide(p(comm.Reduce_scatter_block, self.MPI.IN_PLACE, send, mop), send[:c]))
 
     def broadcast(self, buf, c):
         return functools.partial(self.comm.Bcast, self._b(buf), self.root)
@@ -102,7 +106,7 @@ class RawNCCL:
         self.dt, self.scale = NCCL_TYPES[str(dt)]
         self.item = dt.itemsize
         self.op = NCCL_OPS[op]
-        self.root, self.n, self.s = root, n, stream_ptr
+        self.root, self.n, self.rank, self.s = root, n, rank, stream_ptr
         self.fresh = fresh
 
     def close(self):
@@ -123,11 +127,27 @@ class RawNCCL:
         return self.bind(f, send, recv, cnt, self.dt, self.op, self.s), \
             self.bind(f, recv, recv, cnt, self.dt, self.op, self.s)
 
+    def offset(self, method, a, off_a, b, off_b, *rest):
+        """``method(ptr(a) + off_a, ptr(b) + off_b, *rest)``, the pointers read per call if fresh."""
+        if not self.fresh:
+            return functools.partial(method, a.data.ptr + off_a, b.data.ptr + off_b, *rest)
+
+        def call():
+            method(a.data.ptr + off_a, b.data.ptr + off_b, *rest)
+
+        return call
+
     def all_gather(self, send, recv, c):
-        return self.bind(self.comm.allGather, send, recv, c * self.scale, self.dt, self.s)
+        """(out of place, in place: the input is this rank's part of recv)."""
+        f, cnt, part = self.comm.allGather, c * self.scale, self.rank * c * self.item
+        return self.bind(f, send, recv, cnt, self.dt, self.s), \
+            self.offset(f, recv, part, recv, 0, cnt, self.dt, self.s)
 
     def reduce_scatter(self, send, recv, c):
-        return self.bind(self.comm.reduceScatter, send, recv, c * self.scale, self.dt, self.op, self.s)
+        """(out of place, in place: the output is this rank's part of send)."""
+        f, cnt, part = self.comm.reduceScatter, c * self.scale, self.rank * c * self.item
+        return self.bind(f, send, recv, cnt, self.dt, self.op, self.s), \
+            self.offset(f, send, 0, send, part, cnt, self.dt, self.op, self.s)
 
     def broadcast(self, buf, c):
         return self.bind(self.comm.broadcast, buf, buf, c * self.scale, self.dt, self.root, self.s)
