@@ -24,7 +24,7 @@ from ._ops import BARRIER, COLLECTIVES
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
-    __slots__ = ("group", "transport", "last", "mem", "row", "on_timeout")
+    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout")
 
     def __init__(self, group, transport, mem, row, on_timeout=None):
         self.group = group
@@ -32,6 +32,7 @@ class Dispatcher:
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
         self.mem = mem                 # this rank's progress words (int64 memoryview)
         self.row = row                 # index of the group's "entered" word; "done" follows it
+        self.seq = 0                   # collectives issued on the group so far
         self.on_timeout = on_timeout   # builds a Work's timeout error, with the peers' state
 
     def call(self, code, x, out, arg, async_op, stream):
@@ -41,11 +42,10 @@ class Dispatcher:
                 or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
                 or p.role != (0 if out is None else (1 if out is x else 2)):
             p = None
-        g = self.group
-        seq = g.seq + 1
-        g.seq = seq
+        seq = self.seq = self.seq + 1
         v = seq << 4 | code
-        m, b = self.mem, self.row
+        m = self.mem
+        b = self.row
         m[b] = v
         try:
             if p is None:
@@ -56,7 +56,7 @@ class Dispatcher:
         finally:  # done, or a local error: the call is over on this rank
             m[b + 1] = v
         if async_op:
-            r._what = r._what[:3] + (g, seq)
+            r._what = r._what[:3] + (self.group, seq)
             r._on_timeout = self.on_timeout
         return r
 
@@ -67,8 +67,7 @@ class Dispatcher:
 
     def barrier(self, async_op):
         g = self.group
-        seq = g.seq + 1
-        g.seq = seq
+        seq = self.seq = self.seq + 1
         v = seq << 4 | BARRIER
         m, b = self.mem, self.row
         m[b] = v

@@ -15,7 +15,7 @@ DEFAULT_TIMEOUT = 600.0  # seconds; MPICOMM_TIMEOUT overrides, init(timeout=) wi
 class Group:
     """A named set of world ranks with its own MPI communicator, transport and dispatcher."""
 
-    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "transport", "seq", "disp", "call",
+    __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "transport", "disp", "call",
                  "__weakref__")
 
     def __init__(self, name, ranks, rank, mpi_comm, transport):
@@ -25,7 +25,6 @@ class Group:
         self.size = len(ranks)
         self.mpi_comm = mpi_comm       # an mpicomm-owned MPI communicator (never the user's)
         self.transport = transport     # the backend's transport (None on ranks outside the group)
-        self.seq = 0                   # collectives issued on this group so far
         self.disp = None               # its Dispatcher (mpicomm._dispatch)
         self.call = None               # disp.call: what every collective of the group runs
 

@@ -54,6 +54,14 @@ def _plain_out(out, x, oshape, dtype):
             and not ((out.base is not None or x.base is not None) and np.may_share_memory(out, x)))
 
 
+def _divisor(row, n):
+    """n as a scalar of the row's NumPy type (float32 for the 16-bit floats, reduced in float32):
+    dividing by it gives the same bits as dividing by the int n, without converting n each call."""
+    if not (row.floating or row.complex):
+        return n
+    return (_F32.type if row.upcast else row.dtype.type)(n)
+
+
 def _addr(a):
     return a.__array_interface__["data"][0]
 
@@ -183,6 +191,7 @@ class MPITransport:
         mop, dt, nbytes, size = self._mop[op], row.mpi, xh.nbytes, xh.size
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast = op is _AVG, row.upcast
+        nd = _divisor(row, n)   # AVG's n as a NumPy scalar of the array's type (a cheaper divide)
         what = ("all_reduce", shape, dtype)
         plain = x.__class__ is np.ndarray and not upcast and size <= MAX_COUNT and not async_op
 
@@ -199,7 +208,7 @@ class MPITransport:
                     return o
                 comm.Allreduce(sb, [o, dt], mop)
                 if avg:
-                    np.divide(o, n, out=o)
+                    np.divide(o, nd, out=o)
                 return o
 
             # mpi4py refuses a non-contiguous buffer, and a read-only receive buffer, before
@@ -218,7 +227,7 @@ class MPITransport:
                         except BufferError:
                             return run_any(x, out)
                         if avg:
-                            np.divide(o, n, out=o)
+                            np.divide(o, nd, out=o)
                         return o
                     return tail(x, o, [x, dt], out)
             elif role == 1:
@@ -231,7 +240,7 @@ class MPITransport:
                         except BufferError:
                             return run_any(x, out)
                         if avg:
-                            np.divide(x, n, out=x)
+                            np.divide(x, nd, out=x)
                         return x
                     return tail(x, x, inplace, out)
             else:
@@ -246,7 +255,7 @@ class MPITransport:
                         except BufferError:
                             return run_any(x, out)
                         if avg:
-                            np.divide(out, n, out=out)
+                            np.divide(out, nd, out=out)
                         return out
                     return tail(x, out, [x, dt], out)
         else:
@@ -277,7 +286,7 @@ class MPITransport:
                 if avg or fin is not None:
                     def post():
                         if avg:
-                            np.divide(o, n, out=o)
+                            np.divide(o, nd, out=o)
                         return fin(o) if fin is not None else None
                 else:
                     post = None
@@ -350,6 +359,7 @@ class MPITransport:
         self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0", slot)
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
+        nd = _divisor(row, n)
         what = ("reduce_scatter", shape, dtype)
 
         if x.__class__ is np.ndarray and role != 1 and not upcast and size <= MAX_COUNT and not async_op:
@@ -365,7 +375,7 @@ class MPITransport:
                 if nbytes < shm.min_reduce_scatter or shm.reduce_scatter(x, o, row, op) is None:
                     comm.Reduce_scatter_block([x, dt], [o, dt], mop)
                     if avg:
-                        np.divide(o, n, out=o)
+                        np.divide(o, nd, out=o)
                 return o
         else:
             run = None

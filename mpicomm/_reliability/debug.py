@@ -42,14 +42,14 @@ class Checked:
             raise CommunicationError(f"{NAMES[code]} on group {g.name!r}: the job is being aborted "
                                      "after a collective timed out (see the CollectiveTimeoutError above)")
         op, root = _op_root(code, arg)
-        check(self.side, g, code, x, op, root, g.seq)  # g.seq: this call's, set by the dispatcher
+        check(self.side, g, code, x, op, root, g.disp.seq)  # this call's, set by the dispatcher
         p = self.inner.prepare(code, x, out, arg, async_op, stream)
         p.cls = None
         return p
 
     def barrier(self, async_op):
         g = self.group
-        check(self.side, g, BARRIER, None, None, None, g.seq)
+        check(self.side, g, BARRIER, None, None, None, g.disp.seq)
         return self.inner.barrier(async_op)
 
     def close(self):
