@@ -378,6 +378,10 @@ class NCCLTransport:
         e0, e1 = (tuple(extra) + (None, None))[:2]
         given = stream is not None
         p0, st0 = cur() if given else (None, None)
+        # in place in NCCL's form: x at this offset in out (all_gather), out at this one in x
+        # (reduce_scatter); 2**62 never matches a pointer difference of the other collectives
+        sx = self.rank * xnb if code == ALL_GATHER else 1 << 62
+        so = self.rank * onb if code == REDUCE_SCATTER else 1 << 62
 
         if kind == "cupy":
             get = self.cupy.cuda.get_current_stream
@@ -396,7 +400,8 @@ class NCCLTransport:
                             or out.shape != oshape or out.data.device_id != dev:
                         return run_any(x, out)
                     op_ = out.data.ptr
-                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb):
+                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb) \
+                            and op_ + sx != xp and xp + so != op_:   # (the in-place forms: slot())
                         return run_any(x, out)
                     res = out
                 if given:
@@ -434,7 +439,8 @@ class NCCLTransport:
                             or not out.is_contiguous() or out.get_device() != dev:
                         return run_any(x, out)
                     op_ = out.data_ptr()
-                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb):
+                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb) \
+                            and op_ + sx != xp and xp + so != op_:   # (the in-place forms: slot())
                         return run_any(x, out)
                     res = out
                 if given:
