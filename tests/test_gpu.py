@@ -252,9 +252,8 @@ def test_gpu_arrays_staged_on_mpi_backend(comm, request):
 
 
 def test_gpu_repeated_calls_same_arrays(nccl):
-    """The NCCL backend repeats a validated call on the same CuPy arrays without checks
-    (base.Replay): new contents, a new op or root and a shape changed in place must
-    still give the right result or error."""
+    """Reused calls on the same CuPy arrays (mpicomm._dispatch): new contents, a new op or
+    root and a shape changed in place must still give the right result or error."""
     import cupy
 
     from test_repeat import all_data, rank_data
@@ -309,3 +308,42 @@ def test_gpu_stream_dropped_after_a_collective(nccl):
     time.sleep(2.5)  # the watchdog wakes every second (timeout 600 s): it checks the last call twice
     np.testing.assert_array_equal(y.get(), np.arange(6, dtype=np.float32) * sum(range(1, n + 1)))
     np.testing.assert_array_equal(mpicomm.all_reduce(x).get(), y.get())
+
+
+@pytest.mark.parametrize("k", kinds(), ids=lambda k: k.name)
+def test_gpu_new_arrays_every_call_and_per_call_checks(nccl, k):
+    """A training loop's pattern on GPU arrays: new arrays of one signature every call,
+    out=, in place, and NCCL's in-place forms of all_gather and reduce_scatter; a reused
+    call still copies a non-contiguous input and refuses an overlapping out=."""
+    from test_repeat import all_data, rank_data
+
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    for step in range(4):
+        xs = all_data("gfresh", step, (4, 3), np.float32)
+        want = np.sum(xs, axis=0)
+        x = k.to(rank_data(r, "gfresh", step, (4, 3), np.float32))
+        o = k.to(np.zeros((4, 3), np.float32))
+        assert synced(mpicomm.all_reduce(x, out=o), k) is o
+        close(k.host(o), want)
+        y = k.to(rank_data(r, "gfresh", step, (4, 3), np.float32))
+        assert synced(mpicomm.all_reduce(y, out=y), k) is y
+        close(k.host(y), want)
+        close(k.host(synced(mpicomm.all_reduce(k.to(xs[r]), ReduceOp.AVG), k)), want / n)
+        g = k.to(np.zeros((4 * n, 3), np.float32))
+        g[4 * r:4 * r + 4] = k.to(xs[r])
+        assert synced(mpicomm.all_gather(g[4 * r:4 * r + 4], out=g), k) is not None
+        close(k.host(g), np.concatenate(xs))
+        big = all_data("gfresh-rs", step, (2 * n, 3), np.float32)
+        z = k.to(big[r])
+        part = z[2 * r:2 * r + 2]
+        mpicomm.reduce_scatter(z, out=part)
+        synced(None, k)
+        close(k.host(z)[2 * r:2 * r + 2], np.sum(big, axis=0)[2 * r:2 * r + 2])
+    wide = k.to(np.zeros((4, 6), np.float32))
+    wide[:, ::2] = k.to(rank_data(r, "gfresh", 0, (4, 3), np.float32))
+    o = k.to(np.zeros((4, 3), np.float32))
+    synced(mpicomm.all_reduce(wide[:, ::2], out=o), k)   # a reused call, a non-contiguous input
+    close(k.host(o), np.sum(all_data("gfresh", 0, (4, 3), np.float32), axis=0))
+    buf = k.to(np.zeros(13, np.float32))
+    with pytest.raises(mpicomm.InvalidArgumentError, match="overlaps x"):
+        mpicomm.all_reduce(buf[:12].reshape(4, 3), out=buf[1:13].reshape(4, 3))
