@@ -7,8 +7,8 @@ from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScat
                           all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
 from ._backends.base import Work
 from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
-                   get_group_size, get_local_rank, get_local_size, get_rank, get_world_rank_from_group_rank,
-                   init, is_initialized)
+                     get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_rank,
+                     get_world_rank_from_group_rank, init, is_initialized)
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicationError, InvalidArgumentError, MpicommError, NotInitializedError)
 from ._ops import ReduceOp
@@ -26,17 +26,19 @@ _LAZY = {
 
 
 def __getattr__(name):
+    import importlib
+
+    if name == "ops":  # MindSpore-style operators: mpicomm.ops.AllGather, as mindspore.ops
+        return importlib.import_module(f"{__name__}.ops")
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'mpicomm' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
 
 
 __all__ = [
     "init", "finalize", "is_initialized", "get_backend",
-    "get_rank", "get_group_size", "get_local_rank", "get_local_size",
+    "get_rank", "get_group_size", "get_local_rank", "get_local_size", "get_local_rank_size",
     "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
     "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",

@@ -7,6 +7,7 @@ from . import _state
 from ._backends import get_backend_class, names as backend_names
 from ._backends.base import Work
 from ._dispatch import Dispatcher
+from ._mpi import load as load_mpi
 from ._reliability import Reliability
 from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
@@ -53,7 +54,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
                       "the same arguments as the first call "
                       f"{dict(zip(('backend', 'timeout', 'debug', 'abort_on_exception'), CTX.init_key))} "
                       "(call finalize() first to change them)")
-    from mpi4py import MPI  # here, not at import: importing mpicomm must not start MPI
+    MPI = load_mpi()  # here, not at import: importing mpicomm must not start MPI
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -154,6 +155,11 @@ def get_local_size():
     return require_init("get_local_size()").local_size
 
 
+def get_local_rank_size():
+    """The number of ranks on this host (MindSpore's name for :func:`get_local_size`)."""
+    return require_init("get_local_rank_size()").local_size
+
+
 def get_world_rank_from_group_rank(group, group_rank_id):
     """The world rank of rank ``group_rank_id`` of ``group``."""
     g = _any_group(group)
@@ -227,8 +233,7 @@ def create_group(group, rank_ids):
         raise invalid("create_group arguments", (group, list(rank_ids)),
                       "the same (group, rank_ids) on every rank; got: "
                       + "; ".join(f"rank {r}: {v[0]}, {list(v[1]) if v[1] else v[2]}" for r, v in enumerate(allv)))
-    from mpi4py import MPI
-
+    MPI = load_mpi()
     sub = world.mpi_comm.Create(world.mpi_comm.Get_group().Incl(ids))
     if sub == MPI.COMM_NULL:
         g = ctx.groups[group] = Group(group, ids, None, None, None)

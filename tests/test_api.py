@@ -47,6 +47,7 @@ def test_ranks_sizes_and_local(comm):
     hosts = w.allgather(MPI.Get_processor_name())
     me = hosts[w.Get_rank()]
     assert mpicomm.get_local_size() == hosts.count(me)
+    assert mpicomm.get_local_rank_size() == hosts.count(me)  # MindSpore's name
     assert mpicomm.get_local_rank() == [i for i, h in enumerate(hosts) if h == me].index(w.Get_rank())
 
 
@@ -124,3 +125,24 @@ def test_nccl_unique_id_forms():
     assert as_uid(as_tuple, like=b"") == raw
     assert as_uid(raw, like=(0,)) == as_tuple
     assert as_uid(list(as_tuple), like=(0,)) == as_tuple
+
+
+def test_init_hccl_says_what_to_use():
+    """MindSpore's init("hccl") (Ascend): refused before MPI starts, naming nccl and mpi."""
+    with pytest.raises(mpicomm.InvalidArgumentError) as e:
+        mpicomm.init("hccl")
+    msg = str(e.value)
+    assert "invalid backend='hccl'" in msg and "'nccl'" in msg and "'mpi'" in msg and "Ascend" in msg
+
+
+@mpi
+def test_mindspore_ops_module(comm):
+    """from mpicomm import ops: MindSpore's operator classes, as mindspore.ops has them."""
+    from mpicomm import ops
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    x = np.array([[r]], np.float32)
+    np.testing.assert_array_equal(ops.AllGather()(x), np.arange(n, dtype=np.float32).reshape(n, 1))
+    y = np.arange(4.0) * (r + 1)
+    np.testing.assert_array_equal(ops.AllReduce(ops.ReduceOp.MAX)(y), np.arange(4.0) * n)
+    assert mpicomm.ops is ops and ops.ReduceOp is mpicomm.ReduceOp

@@ -11,7 +11,7 @@ from mpicomm.training.sampler import DistributedSampler
 
 
 def shards(n, s, **kw):
-    return [DistributedSampler(n, s, i, **kw) for i in range(s)]
+    return [DistributedSampler(n, num_shards=s, shard_id=i, **kw) for i in range(s)]
 
 
 @pytest.mark.parametrize("n, s", list(itertools.product([0, 1, 3, 7, 10, 64, 101], [1, 2, 3, 4, 8])))
@@ -44,7 +44,7 @@ def test_drop_last_drops_the_tail_only(n, s):
 
 
 def test_same_permutation_for_a_seed_and_epoch_new_per_epoch():
-    a, b = DistributedSampler(50, 2, 0, seed=3), DistributedSampler(50, 2, 0, seed=3)
+    a, b = DistributedSampler(50, num_shards=2, shard_id=0, seed=3), DistributedSampler(50, num_shards=2, shard_id=0, seed=3)
     seen = []
     for epoch in range(4):
         a.set_epoch(epoch)
@@ -52,8 +52,8 @@ def test_same_permutation_for_a_seed_and_epoch_new_per_epoch():
         assert a.indices().tolist() == b.indices().tolist()
         seen.append(a.indices().tolist())
     assert len({tuple(x) for x in seen}) == 4
-    assert DistributedSampler(50, 2, 0, seed=4).indices().tolist() != seen[0]
-    assert DistributedSampler(10, 2, 1, shuffle=False).indices().tolist() == [1, 3, 5, 7, 9]
+    assert DistributedSampler(50, num_shards=2, shard_id=0, seed=4).indices().tolist() != seen[0]
+    assert DistributedSampler(10, num_shards=2, shard_id=1, shuffle=False).indices().tolist() == [1, 3, 5, 7, 9]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -73,7 +73,18 @@ def test_bad_arguments(kw, match):
 
 def test_bad_epoch():
     with pytest.raises(InvalidArgumentError, match=r"epoch=-1.*an int >= 0"):
-        DistributedSampler(10, 2, 0).set_epoch(-1)
+        DistributedSampler(10, num_shards=2, shard_id=0).set_epoch(-1)
+
+
+@pytest.mark.parametrize("args", [(4, 0), (4, 3), (8, 1, True)])
+def test_mindspore_positional_order_is_refused_alike(args):
+    """MindSpore's ds.DistributedSampler(num_shards, shard_id, shuffle) order: the same
+    error whatever the shard id (so on every rank), naming the keyword form."""
+    with pytest.raises(InvalidArgumentError) as e:
+        DistributedSampler(*args)
+    msg = str(e.value)
+    assert "positional arguments after num_samples" in msg
+    assert "DistributedSampler(len(dataset), num_shards=n, shard_id=rank)" in msg
 
 
 @pytest.mark.mpi

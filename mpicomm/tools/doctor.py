@@ -21,6 +21,8 @@ import socket
 import subprocess
 import sys
 
+from ._common import exit_cleanly, load_mpi
+
 # Fields that must agree on every host, and how the report names them.
 VERSION_FIELDS = (("mpi_library", "MPI library"), ("mpi4py", "mpi4py"),
                   ("python", "Python"), ("cupy", "CuPy"), ("nccl", "NCCL"),
@@ -223,8 +225,9 @@ def main(argv=None):
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # argparse printed usage (or --help); hand back its status
         return exc.code
-    from mpi4py import MPI
-
+    MPI = load_mpi("mpicomm-doctor")
+    if MPI is None:
+        return 2
     comm = MPI.COMM_WORLD
     rows = comm.gather(collect(comm), root=0)
     status = 0
@@ -249,6 +252,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ._common import exit_cleanly
-
     exit_cleanly(main())

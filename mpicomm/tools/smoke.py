@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from ._common import exit_cleanly, load_mpi
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
                "send_recv", "barrier")
 DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32",
@@ -489,8 +491,10 @@ def main(argv=None):
     breaks = {b.strip() for b in os.environ.get(BREAK_ENV, "").split(",") if b.strip()}
 
     import mpicomm as mc
-    from mpi4py import MPI
 
+    MPI = load_mpi("mpicomm-smoke")
+    if MPI is None:
+        return 2
     t_start = time.perf_counter()
     mc.init(args.backend)
     comm = MPI.COMM_WORLD
@@ -579,6 +583,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ._common import exit_cleanly
-
     exit_cleanly(main())

@@ -22,12 +22,20 @@ class DistributedSampler:
     With ``shuffle=True`` the order is a permutation drawn from ``(seed, epoch)``, the
     same on every rank; call :meth:`set_epoch` before each epoch for a new one.
 
-    num_shards, shard_id: default to the world's size and this process's rank (needs
-    :func:`mpicomm.init`). Raises InvalidArgumentError for values out of range.
+    num_shards, shard_id (keywords only): default to the world's size and this process's
+    rank (needs :func:`mpicomm.init`). Raises InvalidArgumentError for values out of
+    range, and for positional arguments after ``num_samples`` (MindSpore's
+    ``DistributedSampler(num_shards, shard_id)`` order would be misread).
     """
 
-    def __init__(self, num_samples, num_shards=None, shard_id=None, shuffle=True, seed=0,
+    def __init__(self, num_samples, *args, num_shards=None, shard_id=None, shuffle=True, seed=0,
                  drop_last=False):
+        if args:  # MindSpore's DistributedSampler(num_shards, shard_id, ...) would be misread
+            raise invalid("positional arguments after num_samples", (num_samples, *args),
+                          "DistributedSampler(num_samples, num_shards=..., shard_id=...) with num_shards "
+                          "and shard_id as keywords: num_samples is the data set's size (MindSpore's "
+                          "ds.DistributedSampler(num_shards, shard_id) takes the shards first; write "
+                          "DistributedSampler(len(dataset), num_shards=n, shard_id=rank))")
         self.num_samples = _int("num_samples", num_samples, 0, "an int >= 0 (the size of the data set)")
         if num_shards is None or shard_id is None:
             ctx = require_init("DistributedSampler(num_shards=None or shard_id=None)")

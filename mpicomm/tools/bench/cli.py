@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from .._common import load_mpi
 from ..smoke import ops_for
 from . import report
 from .arrays import ARRAYS, CupyFamily, NumpyFamily, TorchFamily, check_importable, np_dtype
@@ -421,6 +422,8 @@ def main(argv=None):
         _validate(args)
     except ValueError as e:
         print(f"mpicomm-bench: {e}", file=sys.stderr)
+        return 2
+    if load_mpi("mpicomm-bench") is None:
         return 2
     # before init, which reads them; every rank sets the same values
     if args.shm_threshold is not None:
