@@ -17,7 +17,7 @@ and nothing is reused.
 """
 from __future__ import annotations
 
-from ._backends.base import NEVER
+from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._ops import BARRIER, COLLECTIVES
 
 
@@ -42,6 +42,8 @@ class Dispatcher:
                 or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
                 or p.role != (0 if out is None else (1 if out is x else 2)):
             p = None
+        if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
+            complete_dropped()
         seq = self.seq = self.seq + 1
         v = seq << 4 | code
         m = self.mem
@@ -66,6 +68,8 @@ class Dispatcher:
         return p.describe() if p is not NEVER else "no array"
 
     def barrier(self, async_op):
+        if _DROPPED:
+            complete_dropped()
         g = self.group
         seq = self.seq = self.seq + 1
         v = seq << 4 | BARRIER
@@ -82,6 +86,8 @@ class Dispatcher:
 
     def point_to_point(self, code, x, peer, tag, async_op, stream):
         """send / recv: not numbered (only the two ranks take part), never reused."""
+        if _DROPPED:
+            complete_dropped()
         return self.transport.point_to_point(code, x, peer, tag, async_op, stream)
 
     def forget(self):

@@ -5,7 +5,7 @@ import os
 
 from . import _state
 from ._backends import get_backend_class, names as backend_names
-from ._backends.base import Work
+from ._backends.base import Work, complete_dropped
 from ._dispatch import Dispatcher
 from ._mpi import load as load_mpi
 from ._reliability import Reliability
@@ -112,6 +112,7 @@ def finalize():
     """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
     if not CTX.initialized:
         return
+    complete_dropped()   # dropped async work still writes into its buffers: finish it first
     CTX.reliability.close(free=True)
     for g in list(CTX.groups.values()) + [CTX.world]:
         if g.transport is not None:

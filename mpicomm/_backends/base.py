@@ -26,9 +26,29 @@ from mpicomm's state, dispatch or reliability modules.
 from __future__ import annotations
 
 import time
+import warnings
 
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
+
+# Works dropped before they completed. MPI and NCCL go on writing into their buffers
+# after the handle is gone, so a dropped Work is kept here (with its request and
+# buffers) and completed at the next collective, barrier or finalize.
+_dropped = []
+_warned = []
+DROPPED_WARNING = ("mpicomm: a Work (async_op=True) was dropped before it completed; mpicomm keeps "
+                   "its buffers until the operation completes, at the next collective, barrier or "
+                   "finalize. Call wait() on it to use the result (this warning is shown once)")
+
+
+def complete_dropped():
+    """Complete every dropped Work (blocking), in the order they were dropped."""
+    while _dropped:
+        w = _dropped.pop(0)
+        try:
+            w.wait()
+        except Exception:  # its error (a timeout) was reported by the watchdog already
+            pass
 
 
 class Prepared:
@@ -143,6 +163,18 @@ class Work:
     def __repr__(self):
         state = "completed" if self._done else "pending"
         return f"<mpicomm.Work {self._what[0]} {state}>"
+
+    def __del__(self):
+        # Dropped unwaited: keep it (and so its request and buffers) until it completes.
+        try:
+            if self._done or self._poll():
+                return
+        except Exception:  # MPI already finalised, or the communicator is gone
+            return
+        _dropped.append(self)
+        if not _warned:
+            _warned.append(True)
+            warnings.warn(DROPPED_WARNING, RuntimeWarning, stacklevel=2)
 
 
 class DoneWork(Work):

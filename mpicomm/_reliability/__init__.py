@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 
+from .._backends.base import complete_dropped
 from .abort import ExceptHooks
 from .debug import Checked
 from .progress import Progress
@@ -67,6 +68,7 @@ class Reliability:
             self._checked.remove(d.transport)
 
     def _atexit(self):
+        complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
         self.close(free=False)
 
     def close(self, free):
