@@ -18,7 +18,8 @@ and nothing is reused.
 from __future__ import annotations
 
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
-from ._ops import BARRIER, COLLECTIVES
+from ._ops import BARRIER, COLLECTIVES, NAMES
+from .errors import CommunicationError
 
 
 class Dispatcher:
@@ -55,8 +56,14 @@ class Dispatcher:
                 # a reusable one (cls not None) is ever matched again
                 p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream)
             r = p.run(x, out)
-        finally:  # done, or a local error: the call is over on this rank
+        except BaseException as e:  # the call is over on this rank: published as raised
             m[b + 1] = v
+            m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
+            if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
+                raise CommunicationError(f"{NAMES[code]} sequence {seq} on group {self.group.name!r} "
+                                         f"failed in MPI: {e}") from e
+            raise
+        m[b + 1] = v
         if async_op:
             r._what = r._what[:3] + (self.group, seq)
             r._on_timeout = self.on_timeout

@@ -143,6 +143,26 @@ def main():
                      lambda: mpicomm.all_reduce(good, op="sum" if r else "max"))
         res = mpicomm.all_reduce(good)  # still usable after the errors
         say("after", float(res.sum()) == float(res.sum()))
+    elif MODE == "other_collective":  # the last rank calls barrier where the others all_reduce
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == n - 1:
+            mpicomm.barrier()
+        else:
+            mpicomm.all_reduce(x)
+        say("finished")
+    elif MODE == "caught_raise":  # rank 1's call fails a local check; it catches it and waits
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 1:
+            try:
+                mpicomm.all_reduce(x, out=arr(np.empty(5, np.float32)))   # wrong out= shape
+            except mpicomm.InvalidArgumentError:
+                pass
+            time.sleep(120)
+        else:
+            mpicomm.all_reduce(x)
+        say("finished")
     elif MODE == "shapes_nodebug":  # what MPI does with different counts, no debug mode
         x = np.arange(4 + r, dtype=np.float32)
         expect_error(Exception, lambda: mpicomm.all_reduce(x))

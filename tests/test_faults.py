@@ -69,6 +69,31 @@ def test_missing_rank_times_out_with_diagnosis(gpu):
                      r"not in a collective$", p.stderr, re.M), p.stderr
 
 
+def test_different_collectives_at_one_sequence_name_the_odd_rank():
+    """Three ranks in all_reduce and one in barrier at sequence 2: the report names the rank
+    in the other collective, instead of blaming the transport."""
+    p, took = run(4, "other_collective", limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 15, took
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    assert "all_reduce sequence 2 on group 'world'" in m.group(1)
+    assert "Rank 3 is in another collective at sequence 2: the ranks called different collectives" in m.group(1)
+    assert re.search(r"^  rank 3: in barrier sequence 2 on group 'world', not all_reduce$", p.stderr, re.M), p.stderr
+    assert "stuck in the transport" not in p.stderr
+
+
+def test_a_caught_local_error_is_named_by_the_peers():
+    """Rank 1's all_reduce fails its out= check and rank 1 catches it: rank 0, waiting in
+    that all_reduce, is told that rank 1 raised there and did not take part."""
+    p, took = run(2, "caught_raise", limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 15, took
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    assert "Rank 1 has raised an error in this call and did not take part" in m.group(1)
+    assert re.search(r"^  rank 1: raised an error in its all_reduce sequence 2 on group 'world' and did not "
+                     r"take part .*; now past it, at sequence 2$", p.stderr, re.M), p.stderr
+
+
 def test_work_wait_timeout_raises_with_diagnosis():
     p, took = run(2, "wait_timeout", limit=60)
     assert p.returncode != 0 and took < 3 + 15
@@ -127,7 +152,8 @@ def test_different_shapes_without_debug_mode():
     # on the other with data that is partly its own: a silent error. Debug mode catches it.
     p, _ = run(2, "shapes_nodebug", limit=60)
     res = results(p)
-    assert res[0] == ["raised Exception | MPI_ERR_TRUNCATE: message truncated"], p.stdout + p.stderr
+    assert res[0] == ["raised CommunicationError | all_reduce sequence 1 on group 'world' failed in MPI: "
+                      "MPI_ERR_TRUNCATE: message truncated"], p.stdout + p.stderr
     assert res[1] == ["no-error"]
 
 

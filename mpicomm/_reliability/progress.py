@@ -21,11 +21,15 @@ from .abort import quiet
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 HDR = 2
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
-F = 4
+F = 5
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
 # while they differ. The completion time is stamped by the watchdog, not the hot path.
-GHASH, ENTERED, DONE, TDONE = range(F)
+# RAISED holds the same for the last call that raised on this rank before or instead of
+# taking part (a local check failed): the peers' diagnosis names it.
+GHASH, ENTERED, DONE, TDONE, RAISED = range(F)
 WORDS = HDR + ROWS * F
+# the dispatcher writes a row's words by their offset from ENTERED: DONE + 1, RAISED + 3
+assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 
@@ -71,7 +75,7 @@ class Progress:
             self.rows[g] = b + ENTERED
             return b + ENTERED
         m = self.m
-        m[b + ENTERED] = m[b + DONE] = 0
+        m[b + ENTERED] = m[b + DONE] = m[b + RAISED] = 0
         m[b + GHASH] = ghash(g.name)
         self.rows[g] = b + ENTERED
         return b + ENTERED

@@ -19,7 +19,7 @@ import time
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
-from .progress import DONE, ENTERED, GHASH, HDR, READ_WAIT, ROWS, TDONE, F, ghash
+from .progress import DONE, ENTERED, GHASH, HDR, RAISED, READ_WAIT, ROWS, TDONE, F, ghash
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
 
@@ -141,10 +141,11 @@ class Watchdog:
         """The timeout message: what is pending here, and where every other rank of ``g`` is."""
         limit = self.timeout if limit is None else limit
         gh = ghash(g.name)
+        code = next((c for c, nm in NAMES.items() if nm == name), 0)
         p = self.progress
         states = p.read_peers(list(g.ranks))
         nowms = int(time.time() * 1000)
-        missing, lines = [], []
+        missing, lines, other, raised = [], [], [], []
         for gr, wr in enumerate(g.ranks):
             if wr == p.wrank:
                 continue
@@ -157,7 +158,22 @@ class Watchdog:
                 continue
             rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
             mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
-            entered = int(mine[0][ENTERED]) >> 4 if mine else 0
+            word = int(mine[0][ENTERED]) if mine else 0
+            entered = word >> 4
+            if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
+                raised.append(wr)
+                missing.append(wr)
+                lines.append(f"  {where}: raised an error in its {NAMES.get(int(mine[0][RAISED]) & 15, '?')} "
+                             f"sequence {seq} on group {g.name!r} and did not take part (a check of its "
+                             "arguments failed there); now "
+                             + (f"in {NAMES.get(word & 15, '?')} sequence {entered}"
+                                if mine[0][ENTERED] != mine[0][DONE] else f"past it, at sequence {entered}"))
+                continue
+            if entered == seq and word & 15 != code:   # the same sequence, another collective
+                other.append(wr)
+                lines.append(f"  {where}: in {NAMES.get(word & 15, '?')} sequence {seq} on group {g.name!r}, "
+                             f"not {name}")
+                continue
             if entered >= seq:
                 continue
             missing.append(wr)
@@ -181,9 +197,22 @@ class Watchdog:
         what = f"{name} sequence {seq} on group {g.name!r} ({desc})"
         head = (f"rank {p.wrank}: {what} did not complete within {limit:g} s "
                 f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
-        if missing:
-            head += (f"Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                     f"of {len(g.ranks)} {'have' if len(missing) > 1 else 'has'} not reached this call:\n")
+        def ranks(rs, one, many, of=""):
+            return (f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}{of} "
+                    f"{many if len(rs) > 1 else one}")
+
+        rest = [r for r in missing if r not in raised]
+        parts = []
+        if other:
+            parts.append(ranks(other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
+                         "called different collectives")
+        if raised:
+            parts.append(ranks(raised, "has", "have") + " raised an error in this call and did not take part")
+        if rest:
+            parts.append(ranks(rest, "has", "have", f" of {len(g.ranks)}") + " not reached this call")
+        if parts:
+            text = "; ".join(parts)
+            head += text[0].upper() + text[1:] + ":\n"
         else:
             head += ("Every rank of the group has reached this call: it is stuck in the transport "
                      "(network, a GPU kernel, or ranks that disagree on the arguments: try MPICOMM_DEBUG=1).\n")
