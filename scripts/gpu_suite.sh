@@ -20,12 +20,9 @@ fi
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 MPIRUN=${MPIRUN:-mpirun}
 LOG=$OUT/gpu_log.txt
-export MPICOMM_GRAD_SHAPES=${MPICOMM_GRAD_SHAPES:-}
+export MPICOMM_GRAD_SHAPES=${MPICOMM_GRAD_SHAPES:-}  # empty: the ResNet-50 set shipped with mpicomm
 RES=$OUT/res   # JSON and extra plots, packed into results.tgz at the end (few files come back)
 mkdir -p "$RES"
-if [ -z "${MPICOMM_GRAD_SHAPES:-}" ] && [ -f .shared/resnet50_grad_shapes.txt ]; then
-    export MPICOMM_GRAD_SHAPES=$PWD/.shared/resnet50_grad_shapes.txt  # ../shared does not travel
-fi
 SUM=$OUT/gpu_summary.txt
 MPI=("$MPIRUN" --allow-run-as-root --oversubscribe -x PYTHONPATH -x NCCL_NVLS_ENABLE
      -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED -x MPICOMM_GRAD_SHAPES -n)

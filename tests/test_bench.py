@@ -1,6 +1,8 @@
 """mpicomm-bench: size parsing, bus-bandwidth factors, the nccl-tests table and its summary,
 the --fresh pools, the per-call and buckets tables, JSON and plot, and short real runs at
 2 ranks (all_reduce with --compare and --fresh, every collective, --percall, buckets)."""
+import configparser
+import fnmatch
 import json
 import os
 import statistics
@@ -258,47 +260,67 @@ def test_rotate():
 
 # ---------------------------------------------------------------- shapes file
 
-def test_shapes_file_lookup_and_parsing(tmp_path, monkeypatch):
-    monkeypatch.delenv(buckets.SHAPES_ENV, raising=False)
-    (tmp_path / buckets.SHAPES_FILE).write_text("# comment\n64x3x7x7\n\n64\n1000x2048\n")
-    monkeypatch.setenv(buckets.DATA_ENV, str(tmp_path))
-    path = buckets.find_shapes_file(dirs=[])
-    assert path == os.path.normpath(str(tmp_path / buckets.SHAPES_FILE))
-    assert buckets.read_shapes(path) == [(64, 3, 7, 7), (64,), (1000, 2048)]
-    (tmp_path / "bad.txt").write_text("64x?\n")
-    with pytest.raises(ValueError, match="bad.txt:1"):
+def test_shapes_file_parsing(tmp_path):
+    (tmp_path / "s.txt").write_text("# comment\n64x3x7x7\n\n64  # bias\n1000x2048\n")
+    assert buckets.read_shapes(str(tmp_path / "s.txt")) == [(64, 3, 7, 7), (64,), (1000, 2048)]
+    (tmp_path / "bad.txt").write_text("64\n64x?\n")
+    with pytest.raises(ValueError, match=r"bad.txt:2: invalid shape '64x\?' \(expected e.g. 64x3x7x7\)"):
         buckets.read_shapes(str(tmp_path / "bad.txt"))
-    # $MPICOMM_GRAD_SHAPES (the file) comes before $MPICOMM_SHARED_DATA
-    other = tmp_path / "other.txt"
-    other.write_text("8\n")
-    monkeypatch.setenv(buckets.SHAPES_ENV, str(other))
-    assert buckets.find_shapes_file(dirs=[]) == os.path.normpath(str(other))
 
 
-def test_shapes_file_not_found_says_where_and_how(tmp_path, monkeypatch):
+def test_shapes_file_default_is_the_packaged_resnet50_set(monkeypatch):
     monkeypatch.delenv(buckets.SHAPES_ENV, raising=False)
-    monkeypatch.setenv(buckets.DATA_ENV, str(tmp_path / "nowhere"))
-    searched = tmp_path / "also-nowhere"
-    with pytest.raises(FileNotFoundError) as e:
-        buckets.find_shapes_file(dirs=[str(searched)])
-    msg = str(e.value)
-    assert msg.startswith("resnet50_grad_shapes.txt not found")
-    for place in (tmp_path / "nowhere" / "resnet50_grad_shapes.txt", searched / "resnet50_grad_shapes.txt"):
-        assert os.path.normpath(str(place)) in msg
-    for how in ("--shapes FILE", "MPICOMM_GRAD_SHAPES=FILE", "MPICOMM_SHARED_DATA=FOLDER"):
-        assert how in msg
-    missing = str(tmp_path / "missing.txt")
-    with pytest.raises(FileNotFoundError, match=f"--shapes {missing}: no such file; pass --shapes FILE"):
-        buckets.find_shapes_file(missing)
-
-
-def test_real_resnet50_shapes_when_present():
-    try:
-        path = buckets.find_shapes_file()
-    except FileNotFoundError:
-        pytest.skip("shared data not present")
+    path = buckets.find_shapes_file()
+    assert path == buckets.PACKAGED_SHAPES
+    assert path == os.path.join(os.path.dirname(buckets.__file__), "data", "resnet50_grad_shapes.txt")
     shapes = buckets.read_shapes(path)
+    # ResNet-50 (torchvision): 161 parameter tensors, 25,557,032 parameters
     assert len(shapes) == 161 and sum(int(np.prod(s)) for s in shapes) == 25557032
+    assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
+    monkeypatch.setenv(buckets.SHAPES_ENV, "")  # empty counts as unset
+    assert buckets.find_shapes_file() == buckets.PACKAGED_SHAPES
+
+
+def test_shapes_file_order_explicit_then_environment(tmp_path, monkeypatch):
+    env, explicit = tmp_path / "env.txt", tmp_path / "explicit.txt"
+    env.write_text("8\n")
+    explicit.write_text("16\n")
+    monkeypatch.setenv(buckets.SHAPES_ENV, str(env))
+    assert buckets.find_shapes_file() == str(env)
+    assert buckets.find_shapes_file(str(explicit)) == str(explicit)
+    monkeypatch.delenv(buckets.SHAPES_ENV)
+    assert buckets.find_shapes_file(str(explicit)) == str(explicit)
+
+
+def test_shapes_file_not_found_says_which_and_how(tmp_path, monkeypatch):
+    how = "pass --shapes FILE or set MPICOMM_GRAD_SHAPES=FILE (one shape per line, e.g. 64x3x7x7)"
+    missing = str(tmp_path / "missing.txt")
+    monkeypatch.delenv(buckets.SHAPES_ENV, raising=False)
+    with pytest.raises(FileNotFoundError) as e:
+        buckets.find_shapes_file(missing)
+    assert str(e.value) == f"--shapes {missing}: no such file; {how}"
+    # a path in the environment that does not exist is an error, not a quiet fallback
+    monkeypatch.setenv(buckets.SHAPES_ENV, missing)
+    with pytest.raises(FileNotFoundError) as e:
+        buckets.find_shapes_file()
+    assert str(e.value) == f"MPICOMM_GRAD_SHAPES={missing}: no such file; {how}"
+    # a directory is not a shapes file
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        buckets.find_shapes_file(str(tmp_path))
+    # an install without its package data
+    monkeypatch.delenv(buckets.SHAPES_ENV)
+    monkeypatch.setattr(buckets, "PACKAGED_SHAPES", missing)
+    with pytest.raises(FileNotFoundError) as e:
+        buckets.find_shapes_file()
+    assert str(e.value) == f"{missing} (shipped with mpicomm: reinstall it): no such file; {how}"
+
+
+def test_shapes_file_is_package_data():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    patterns = cfg["options.package_data"]["mpicomm.tools.bench"].split()
+    rel = os.path.relpath(buckets.PACKAGED_SHAPES, os.path.dirname(buckets.__file__))
+    assert any(fnmatch.fnmatch(rel, p) for p in patterns), (rel, patterns)
 
 
 # ---------------------------------------------------------------- arguments

@@ -15,42 +15,29 @@ from .report import bucket_header, bucket_row, bucket_summary
 from .timing import bandwidths
 
 SHAPES_FILE = "resnet50_grad_shapes.txt"
-SHAPES_ENV = "MPICOMM_GRAD_SHAPES"   # the file itself
-DATA_ENV = "MPICOMM_SHARED_DATA"     # its folder
+SHAPES_ENV = "MPICOMM_GRAD_SHAPES"  # a path to a shapes file
+# The ResNet-50 set ships with mpicomm (package data), so --coll buckets runs from any install.
+PACKAGED_SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", SHAPES_FILE)
 
 
-def default_dirs():
-    """Folders searched after the environment: ../shared/data next to the repository root
-    and next to the working directory."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    return [os.path.join(repo, "..", "shared", "data"), os.path.join(os.getcwd(), "..", "shared", "data")]
+def find_shapes_file(explicit=None):
+    """The gradient shapes file: ``explicit`` (--shapes), else $MPICOMM_GRAD_SHAPES, else the
+    ResNet-50 set shipped with mpicomm (:data:`PACKAGED_SHAPES`).
 
-
-def find_shapes_file(explicit=None, dirs=None):
-    """The gradient shapes file: ``explicit`` (--shapes), $MPICOMM_GRAD_SHAPES (the file),
-    $MPICOMM_SHARED_DATA (its folder), then ``dirs`` (default: :func:`default_dirs`).
-
-    Raises FileNotFoundError naming what was looked for, where, and how to point at it.
+    Raises FileNotFoundError naming the path that is missing, where it came from, and how
+    to point at another file.
     """
-    how = (f"pass --shapes FILE, set {SHAPES_ENV}=FILE or {DATA_ENV}=FOLDER holding {SHAPES_FILE} "
-           "(one shape per line, e.g. 64x3x7x7)")
+    how = f"pass --shapes FILE or set {SHAPES_ENV}=FILE (one shape per line, e.g. 64x3x7x7)"
+    env = os.environ.get(SHAPES_ENV)
     if explicit:
-        if os.path.isfile(explicit):
-            return explicit
-        raise FileNotFoundError(f"--shapes {explicit}: no such file; {how}")
-    cands = []
-    f = os.environ.get(SHAPES_ENV)
-    if f:
-        cands.append(f)
-    env = os.environ.get(DATA_ENV)
-    if env:
-        cands.append(os.path.join(env, SHAPES_FILE))
-    cands += [os.path.join(d, SHAPES_FILE) for d in (default_dirs() if dirs is None else dirs)]
-    for c in cands:
-        if os.path.isfile(c):
-            return os.path.normpath(c)
-    raise FileNotFoundError(f"{SHAPES_FILE} not found (looked in: {', '.join(map(os.path.normpath, cands))}); "
-                            + how)
+        path, named = explicit, f"--shapes {explicit}"
+    elif env:
+        path, named = env, f"{SHAPES_ENV}={env}"
+    else:
+        path, named = PACKAGED_SHAPES, f"{PACKAGED_SHAPES} (shipped with mpicomm: reinstall it)"
+    if os.path.isfile(path):
+        return path
+    raise FileNotFoundError(f"{named}: no such file; {how}")
 
 
 def read_shapes(path):
