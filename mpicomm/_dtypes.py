@@ -88,13 +88,13 @@ def of_numpy(dtype, arg="x"):
         return of_numpy(dtype, arg)
     name = getattr(dtype, "name", str(dtype))
     dt = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
-    if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
-        raise invalid(f"{arg}.dtype", dt.str, f"a native (little-endian) dtype: convert with "
-                      f"x.astype(x.dtype.newbyteorder('=')); supported: {SUPPORTED}")
+    if dt.byteorder not in ("=", "|") and dt.newbyteorder("=") in _BY_NUMPY:  # the other byte order
+        native = dt.newbyteorder("=")
+        order = "big" if dt.byteorder == ">" else "little"
+        raise invalid(f"{arg}.dtype", f"{order}-endian {native.name} ({dt.str})",
+                      f"this machine's byte order: convert with x.astype('{native.str}')")
     if name == "bfloat16" and BFLOAT16 is not None:  # a bfloat16 of another library
         return _BY_NUMPY[BFLOAT16]
-    if dt.byteorder not in ("=", "|") and dt.newbyteorder("=") in _BY_NUMPY:
-        return _BY_NUMPY[dt.newbyteorder("=")]
     raise invalid(f"{arg}.dtype", str(name), f"one of {SUPPORTED}")
 
 

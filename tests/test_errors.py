@@ -111,6 +111,18 @@ def test_unsupported_dtype(comm, rng):
                           "expected one of int8, uint8")
 
 
+def test_other_byte_order_says_how_to_convert(comm, rng):
+    x = data(np, rng, 4).astype(">f4")
+    raises_everywhere(InvalidArgumentError, lambda: comm.all_reduce(x),
+                      "invalid x.dtype='big-endian float32 (>f4)'", "convert with x.astype('<f4')")
+    # converted as the message says, it works
+    from mpi4py import MPI
+
+    y = x.astype("<f4")
+    want = np.sum(MPI.COMM_WORLD.allgather(y), axis=0, dtype=np.float32)
+    np.testing.assert_allclose(comm.all_reduce(y), want, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- out=
 
 def test_out_wrong_shape_or_dtype(comm, rng, xp):
