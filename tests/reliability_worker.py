@@ -163,6 +163,14 @@ def main():
         else:
             mpicomm.all_reduce(x)
         say("finished")
+    elif MODE == "early_exit":  # rank 1 leaves the script while the others wait in all_reduce
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 1:
+            say("leaving")
+            sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+        mpicomm.all_reduce(x)
+        say("finished")
     elif MODE == "shapes_nodebug":  # what MPI does with different counts, no debug mode
         x = np.arange(4 + r, dtype=np.float32)
         expect_error(Exception, lambda: mpicomm.all_reduce(x))

@@ -94,6 +94,23 @@ def test_a_caught_local_error_is_named_by_the_peers():
                      r"take part .*; now past it, at sequence 2$", p.stderr, re.M), p.stderr
 
 
+@pytest.mark.parametrize("status", [0, 3])
+def test_early_exit_is_reported_within_seconds(status):
+    """Rank 1 leaves the script (sys.exit) while ranks 0 and 2 wait for it in all_reduce:
+    they say so within seconds, long before the timeout (60 s here), and the job ends."""
+    p, took = run(3, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": str(status)})
+    assert took < 30, took
+    assert p.returncode != 0
+    assert results(p) == {1: ["leaving"]}
+    for r in (0, 2):
+        m = re.search(rf"^\[mpicomm rank {r}\] CommunicationError: (.*)$", p.stderr, re.M)
+        assert m, p.stderr
+        assert "all_reduce sequence 2 on group 'world'" in m.group(1) and "cannot complete" in m.group(1)
+        assert "Rank 1 has left the script (exited or returned) without reaching this call" in m.group(1)
+    assert re.search(r"^  rank 1: has left its script \(it exited or returned\) without reaching this call; "
+                     r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
+
+
 def test_work_wait_timeout_raises_with_diagnosis():
     p, took = run(2, "wait_timeout", limit=60)
     assert p.returncode != 0 and took < 3 + 15

@@ -68,6 +68,7 @@ class Reliability:
             self._checked.remove(d.transport)
 
     def _atexit(self):
+        self.progress.mark_exited()
         complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
         self.close(free=False)
 

@@ -17,9 +17,11 @@ import numpy as np
 
 from .abort import quiet
 
-# Window layout (int64): [magic, pid, then ROWS rows of F fields]
+# Window layout (int64): [magic, pid, exited, then ROWS rows of F fields]; "exited" is
+# set when the process leaves the script (atexit), so peers waiting on it can say so.
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
-HDR = 2
+EXITED = 2
+HDR = 3
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
 F = 5
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
@@ -61,6 +63,7 @@ class Progress:
         self.m = mem.cast("q")
         self.m[0] = MAGIC
         self.m[1] = os.getpid()
+        self.m[EXITED] = 0
 
     def add(self, g):
         """A row for group ``g``; returns the index of its ENTERED word."""
@@ -79,6 +82,10 @@ class Progress:
         m[b + GHASH] = ghash(g.name)
         self.rows[g] = b + ENTERED
         return b + ENTERED
+
+    def mark_exited(self):
+        """This process is leaving the script: peers that wait on it will say so."""
+        self.m[EXITED] = 1
 
     def name(self, g):
         self.names[ghash(g.name)] = g.name

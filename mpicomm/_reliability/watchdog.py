@@ -19,9 +19,10 @@ import time
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
-from .progress import DONE, ENTERED, GHASH, HDR, RAISED, READ_WAIT, ROWS, TDONE, F, ghash
+from .progress import DONE, ENTERED, EXITED, GHASH, HDR, RAISED, READ_WAIT, ROWS, TDONE, F, ghash
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
+EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a peer has exited
 
 
 class Watchdog:
@@ -82,16 +83,31 @@ class Watchdog:
                 s = seen.get(b)
                 if s is None or s[0] != e:
                     seen[b] = (e, now)
-                elif now - s[1] >= self.timeout:
+                elif now - s[1] >= self.timeout or (now - s[1] >= EXIT_CHECK and self._peer_exited(g, e >> 4)):
                     disp = getattr(g, "disp", None)
                     desc = disp.describe(e & 15) if disp is not None else "?"
-                    self.fire(g, e >> 4, NAMES.get(e & 15, "?"), desc, now - s[1])
+                    self.fire(g, e >> 4, NAMES.get(e & 15, "?"), desc, now - s[1],
+                              early=now - s[1] < self.timeout)
                     return
             else:
                 seen.pop(b, None)
         if self.device_id is not None:
             self._tick_gpu(events, now)
         p.poke()
+
+    def _peer_exited(self, g, seq):
+        """True when a rank of ``g`` has left its script without reaching call ``seq`` of ``g``
+        (its window says so): the call can never complete."""
+        gh = ghash(g.name)
+        states = self.progress.read_peers([r for r in g.ranks if r != self.progress.wrank])
+        for st in states.values():
+            if st is None or not st[EXITED]:
+                continue
+            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
+            mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
+            if not mine or int(mine[0][ENTERED]) >> 4 < seq:
+                return True
+        return False
 
     def _tick_gpu(self, events, now):
         """Watch the GPU side of each group's last collective: when the group's done marker
@@ -124,20 +140,23 @@ class Watchdog:
                 self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True)
                 return
 
-    def fire(self, g, seq, name, desc, waited, gpu=False):
+    def fire(self, g, seq, name, desc, waited, gpu=False, early=False):
+        """Print the diagnosis and abort the job. ``early``: before the timeout, because a
+        rank the call waits for has left its script."""
         with self._lock:
             if self.fired:
                 return
             self.fired = True
-        msg = self.diagnose(g, seq, name, desc, waited, gpu=gpu)
-        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: {msg}\n"
+        msg = self.diagnose(g, seq, name, desc, waited, gpu=gpu, early=early)
+        kind = "CommunicationError" if early else "CollectiveTimeoutError"
+        sys.stderr.write(f"{rank_prefix()}{kind}: {msg}\n"
                          f"{rank_prefix()}aborting the job\n")
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE)
 
     # ------------------------------------------------------------ diagnosis
-    def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None):
+    def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None, early=False):
         """The timeout message: what is pending here, and where every other rank of ``g`` is."""
         limit = self.timeout if limit is None else limit
         gh = ghash(g.name)
@@ -145,7 +164,7 @@ class Watchdog:
         p = self.progress
         states = p.read_peers(list(g.ranks))
         nowms = int(time.time() * 1000)
-        missing, lines, other, raised = [], [], [], []
+        missing, lines, other, raised, exited = [], [], [], [], []
         for gr, wr in enumerate(g.ranks):
             if wr == p.wrank:
                 continue
@@ -160,6 +179,14 @@ class Watchdog:
             mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
             word = int(mine[0][ENTERED]) if mine else 0
             entered = word >> 4
+            if st[EXITED] and entered < seq:
+                exited.append(wr)
+                missing.append(wr)
+                last = (f"its last call was {NAMES.get(word & 15, '?')} sequence {entered}" if mine
+                        else f"it made no call on group {g.name!r}")
+                lines.append(f"  {where}: has left its script (it exited or returned) without reaching this "
+                             f"call; {last}")
+                continue
             if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
                 raised.append(wr)
                 missing.append(wr)
@@ -195,14 +222,20 @@ class Watchdog:
                 now = "not in a collective"
             lines.append(f"  {where}: {last}; {now}")
         what = f"{name} sequence {seq} on group {g.name!r} ({desc})"
-        head = (f"rank {p.wrank}: {what} did not complete within {limit:g} s "
-                f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
+        if early:
+            head = f"rank {p.wrank}: {what} cannot complete (waited {waited:.1f} s). "
+        else:
+            head = (f"rank {p.wrank}: {what} did not complete within {limit:g} s "
+                    f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
         def ranks(rs, one, many, of=""):
             return (f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}{of} "
                     f"{many if len(rs) > 1 else one}")
 
-        rest = [r for r in missing if r not in raised]
+        rest = [r for r in missing if r not in raised and r not in exited]
         parts = []
+        if exited:
+            parts.append(ranks(exited, "has", "have") + " left the script (exited or returned) without "
+                         "reaching this call")
         if other:
             parts.append(ranks(other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
                          "called different collectives")
