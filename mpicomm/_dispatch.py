@@ -91,6 +91,24 @@ class Dispatcher:
             r._on_timeout = self.on_timeout
         return r
 
+    def watched(self, code, fn):
+        """Run ``fn()``, a blocking call that every rank of the group makes but that is no
+        collective of the transport (creating or destroying a group), published as one."""
+        if _DROPPED:
+            complete_dropped()
+        seq = self.seq = self.seq + 1
+        v = seq << 4 | code
+        m, b = self.mem, self.row
+        m[b] = v
+        try:
+            r = fn()
+        except BaseException:
+            m[b + 1] = v
+            m[b + 3] = v
+            raise
+        m[b + 1] = v
+        return r
+
     def point_to_point(self, code, x, peer, tag, async_op, stream):
         """send / recv: not numbered (only the two ranks take part), never reused."""
         if _DROPPED:

@@ -81,7 +81,8 @@ def check_op_dtype(op, row):
 
 # The collective codes (4 bits in the progress records).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-               "barrier", "send", "recv")
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, ALL_TO_ALL, BARRIER, SEND, RECV = \
-    range(1, len(COLLECTIVES) + 1)
+               "barrier", "send", "recv", "create_group", "destroy_group")
+(ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, ALL_TO_ALL, BARRIER, SEND, RECV,
+ CREATE_GROUP, DESTROY_GROUP) = range(1, len(COLLECTIVES) + 1)
+assert len(COLLECTIVES) < 16
 NAMES = dict(enumerate(COLLECTIVES, 1))

@@ -8,6 +8,7 @@ from ._backends import get_backend_class, names as backend_names
 from ._backends.base import Work, complete_dropped
 from ._dispatch import Dispatcher
 from ._mpi import load as load_mpi
+from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
 from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
@@ -201,7 +202,7 @@ def create_group(group, rank_ids):
     ctx = require_init("create_group()")
     world = ctx.world
     n = world.size
-    err = None
+    err = ids = None
     if not isinstance(group, str) or not group:
         err = invalid("group", group, "a non-empty string naming the new group")
     elif group in WORLD_ALIASES:
@@ -225,6 +226,13 @@ def create_group(group, rank_ids):
             elif any(not 0 <= r < n for r in ids):
                 bad = [r for r in ids if not 0 <= r < n]
                 err = invalid("rank_ids", rank_ids, f"world ranks in 0..{n - 1} (out of range: {bad})")
+    # published on the world's progress row like a collective, so that the watchdog names
+    # a rank that never comes (and the NCCL communicator's creation is watched too)
+    world.disp.watched(CREATE_GROUP, lambda: _create(ctx, group, ids, rank_ids, err))
+
+
+def _create(ctx, group, ids, rank_ids, err):
+    world = ctx.world
     # agree first: every rank raises alike, none is left waiting in Create
     mine = (repr(group), None if err else tuple(ids), None if err is None else str(err))
     allv = world.mpi_comm.allgather(mine)
@@ -253,7 +261,7 @@ def destroy_group(group):
         raise invalid("group", group, "a group made by create_group (known: "
                       + (", ".join(sorted(ctx.groups)) or "none") + ")")
     g = ctx.groups.pop(group)
-    ctx.world.mpi_comm.Barrier()
+    ctx.world.disp.watched(DESTROY_GROUP, ctx.world.mpi_comm.Barrier)
     ctx.reliability.forget(g)
     if g.transport is not None:
         g.transport.close()

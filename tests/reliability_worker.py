@@ -171,6 +171,12 @@ def main():
             sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
         mpicomm.all_reduce(x)
         say("finished")
+    elif MODE == "skip_create_group":  # rank 1 never comes to create_group
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        if r == 1:
+            time.sleep(120)
+        mpicomm.create_group("late", list(range(n)))
+        say("finished")
     elif MODE == "shapes_nodebug":  # what MPI does with different counts, no debug mode
         x = np.arange(4 + r, dtype=np.float32)
         expect_error(Exception, lambda: mpicomm.all_reduce(x))

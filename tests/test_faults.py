@@ -111,6 +111,18 @@ def test_early_exit_is_reported_within_seconds(status):
                      r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
 
 
+def test_group_creation_is_watched():
+    """create_group is collective over the world: a rank that never comes is named."""
+    p, took = run(3, "skip_create_group", limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 15, took
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    assert "create_group sequence 2 on group 'world'" in m.group(1)
+    assert "Rank 1 of 3 has not reached this call" in m.group(1)
+    assert re.search(r"^  rank 1: last call all_reduce sequence 1 on group 'world', finished [\d.]+ s ago; "
+                     r"not in a collective$", p.stderr, re.M), p.stderr
+
+
 def test_work_wait_timeout_raises_with_diagnosis():
     p, took = run(2, "wait_timeout", limit=60)
     assert p.returncode != 0 and took < 3 + 15
