@@ -6,6 +6,7 @@ GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
                           all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
 from ._backends.base import Work
+from ._reliability.flight import dump_flight_record
 from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
                      get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_rank,
                      get_world_rank_from_group_rank, init, is_initialized)
@@ -42,7 +43,7 @@ __all__ = [
     "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
     "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-    "send", "recv", "barrier",
+    "send", "recv", "barrier", "dump_flight_record",
     "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "MpicommError", "NotInitializedError", "BackendUnavailableError", "InvalidArgumentError",
     "CommunicationError", "CollectiveTimeoutError", "CollectiveMismatchError",

@@ -13,19 +13,25 @@ Around the transport call the dispatcher publishes progress for the watchdog: th
 sequence number and collective it entered on the group, then the same when it is
 done (two stores into this rank's row of the progress window). In debug mode the
 transport is wrapped by the cross-rank argument check (mpicomm._reliability.debug),
-and nothing is reused.
+and nothing is reused. The flight recorder (mpicomm._reliability.flight) costs one
+more store per call: ``(seq, code, prepared call, start)`` into the group's ring.
 """
 from __future__ import annotations
 
+import time
+
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._ops import BARRIER, COLLECTIVES, NAMES
+from ._reliability.flight import new_ring
 from .errors import CommunicationError
+
+_now = time.perf_counter_ns
 
 
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
-    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout")
+    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask")
 
     def __init__(self, group, transport, mem, row, on_timeout=None):
         self.group = group
@@ -35,6 +41,8 @@ class Dispatcher:
         self.row = row                 # index of the group's "entered" word; "done" follows it
         self.seq = 0                   # collectives issued on the group so far
         self.on_timeout = on_timeout   # builds a Work's timeout error, with the peers' state
+        self.fr = new_ring()           # the flight recorder's ring (a power of two long), or None
+        self.fmask = len(self.fr) - 1 if self.fr is not None else 0
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -55,6 +63,9 @@ class Dispatcher:
                 # the entry stays the call in progress (the watchdog describes it); only
                 # a reusable one (cls not None) is ever matched again
                 p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream)
+            fr = self.fr
+            if fr is not None:
+                fr[seq & self.fmask] = (seq, code, p, _now())
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
             m[b + 1] = v
@@ -82,6 +93,8 @@ class Dispatcher:
         v = seq << 4 | BARRIER
         m, b = self.mem, self.row
         m[b] = v
+        if self.fr is not None:
+            self.fr[seq & self.fmask] = (seq, BARRIER, None, _now())
         try:
             r = self.transport.barrier(async_op)
         finally:
@@ -100,6 +113,8 @@ class Dispatcher:
         v = seq << 4 | code
         m, b = self.mem, self.row
         m[b] = v
+        if self.fr is not None:
+            self.fr[seq & self.fmask] = (seq, code, None, _now())
         try:
             r = fn()
         except BaseException:

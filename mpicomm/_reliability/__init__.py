@@ -5,7 +5,8 @@ Made by :func:`mpicomm.init`, split by concern:
 * ``progress``: this rank's published progress (an MPI RMA window) and reading the peers';
 * ``watchdog``: the thread that notices a call pending past the timeout and diagnoses it;
 * ``debug``: the cross-rank argument check of ``init(debug=True)``;
-* ``abort``: ending the whole job, and abort on an uncaught exception.
+* ``abort``: ending the whole job, and abort on an uncaught exception;
+* ``flight``: the flight recorder (each group's last calls), written on a report.
 
 The dispatcher (mpicomm._dispatch) publishes progress inline; nothing here writes into
 a transport.
@@ -15,8 +16,10 @@ from __future__ import annotations
 import atexit
 
 from .._backends.base import complete_dropped
+from ..errors import InvalidArgumentError
 from .abort import ExceptHooks
 from .debug import Checked
+from .flight import FlightRecorder, size_from_env
 from .progress import Progress
 from .watchdog import Watchdog
 
@@ -26,9 +29,11 @@ class Reliability:
 
     def __init__(self, ctx):
         self.ctx = ctx
+        size = _flight_size(ctx)
         self.progress = Progress(ctx.world.mpi_comm, ctx.world.rank)
+        self.flight = FlightRecorder(size, self.groups, self.progress, ctx.world.rank, ctx.world.size)
         self.watchdog = Watchdog(self.progress, self.groups, ctx.timeout, ctx.world,
-                                 ctx.device_id if ctx.backend_name == "nccl" else None)
+                                 ctx.device_id if ctx.backend_name == "nccl" else None, flight=self.flight)
         self.hooks = ExceptHooks(self.transports) if ctx.abort_on_exception else None
         self._checked = []
 
@@ -74,6 +79,8 @@ class Reliability:
 
     def close(self, free):
         self.watchdog.stop()
+        if free:
+            self.flight.close()
         if self.hooks is not None:
             self.hooks.uninstall()
         try:
@@ -85,3 +92,34 @@ class Reliability:
             for c in self._checked:
                 c.close()
             self._checked = []
+
+
+def _flight_size(ctx):
+    """MPICOMM_FLIGHT_RECORDER, agreed over the world: a bad value on any rank raises on
+    every rank (after releasing what init made so far), so none waits in the next step."""
+    err = size = None
+    try:
+        size = size_from_env(ctx.world.rank)
+    except InvalidArgumentError as e:
+        err = e
+    errs = ctx.world.mpi_comm.allgather(None if err is None else str(err))
+    if not any(errs):
+        return size
+    rank = ctx.world.rank
+    _release(ctx)
+    if err is not None:
+        raise err
+    bad = [r for r, e in enumerate(errs) if e]
+    raise InvalidArgumentError(f"{errs[bad[0]]}; set MPICOMM_FLIGHT_RECORDER alike on every rank (invalid on "
+                               f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, not on rank {rank})")
+
+
+def _release(ctx):
+    """Undo init's steps before the reliability machinery (init failed)."""
+    for step in (lambda: ctx.world.transport.close(), lambda: ctx.world.mpi_comm.Free(),
+                 lambda: ctx.local_comm.Free(), lambda: ctx.backend.close()):
+        try:
+            step()
+        except Exception:
+            pass
+    ctx.reset()

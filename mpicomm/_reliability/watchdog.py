@@ -26,12 +26,13 @@ EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a pee
 
 
 class Watchdog:
-    def __init__(self, progress, groups, timeout, world, device_id=None):
+    def __init__(self, progress, groups, timeout, world, device_id=None, flight=None):
         self.progress = progress
         self.groups = groups           # () -> the live groups (each with .transport and .disp)
         self.timeout = timeout
         self.world = world
         self.device_id = device_id     # the GPU to record events on (NCCL), else None
+        self.flight = flight           # the flight recorder, written with every report (or None)
         self.fired = False
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
@@ -151,6 +152,8 @@ class Watchdog:
         kind = "CommunicationError" if early else "CollectiveTimeoutError"
         sys.stderr.write(f"{rank_prefix()}{kind}: {msg}\n"
                          f"{rank_prefix()}aborting the job\n")
+        sys.stderr.flush()   # the report is out before the record is written
+        sys.stderr.write(self._flight_line("early exit" if early else "timeout"))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE)
@@ -265,4 +268,13 @@ class Watchdog:
             msg = f"{name} ({desc}) did not complete within {timeout:g} s"
         sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: {msg}\n")
         sys.stderr.flush()
+        sys.stderr.write(self._flight_line("Work.wait timeout"))
+        sys.stderr.flush()
         return CollectiveTimeoutError(msg)
+
+    def _flight_line(self, reason):
+        """Write the flight record; the report's line that says where ('' with the recorder off)."""
+        f = self.flight
+        if f is None or not f.size:
+            return ""
+        return f.report_line(reason, rank_prefix())
