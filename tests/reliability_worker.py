@@ -88,6 +88,18 @@ def main():
         say("default", "installed" if installed else "missing", "restored" if sys.excepthook is prev else "kept")
         return
 
+    if MODE == "flight_bad_env":  # FLIGHT_BAD_VALUE as MPICOMM_FLIGHT_RECORDER (on FLIGHT_BAD_RANK only)
+        from mpi4py import MPI
+
+        only = os.environ.get("FLIGHT_BAD_RANK")
+        if only is None or int(only) == MPI.COMM_WORLD.Get_rank():
+            os.environ["MPICOMM_FLIGHT_RECORDER"] = os.environ["FLIGHT_BAD_VALUE"]
+        expect_error(mpicomm.InvalidArgumentError, mpicomm.init)
+        os.environ["MPICOMM_FLIGHT_RECORDER"] = "3"   # the failed init left nothing behind
+        mpicomm.init()
+        say("after", mpicomm.is_initialized(), float(mpicomm.all_reduce(np.ones(1))[0]))
+        return
+
     mpicomm.init(backend="nccl" if GPU else None)
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
     rng = np.random.default_rng([r, 7])
@@ -104,6 +116,19 @@ def main():
 
                 cupy.cuda.get_current_stream().synchronize()
         say("finished")
+    elif MODE == "flight_skip":  # as "skip", but rank 1 writes its flight record before it stalls
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        for i in range(5):
+            if i == 2 and r == 1:
+                say("dumped", mpicomm.dump_flight_record())
+                time.sleep(120)
+                continue
+            mpicomm.all_reduce(x)
+        say("finished")
+    elif MODE == "flight_ring":  # 12 all_reduce of shapes (1,) .. (12,), then the record
+        for i in range(12):
+            mpicomm.all_reduce(arr(np.arange(i + 1, dtype=np.float64)))
+        say("dumped", mpicomm.dump_flight_record())
     elif MODE == "wait_timeout":  # async work that can never complete: Work.wait raises
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)

@@ -4,6 +4,7 @@ A missing rank must end the job with a diagnosis, an exception or a killed rank 
 it quickly, mismatched calls must raise on every rank, and a long loop must neither
 corrupt data nor grow. The GPU variants run the same programs with CuPy arrays on NCCL.
 """
+import json
 import os
 import re
 import subprocess
@@ -31,6 +32,12 @@ def _gpus():
 GPU = pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")],
                    id="nccl-gpu")
 CPU = pytest.param(False, id="cpu")  # not "mpi": pytest-mpi reads ids as markers
+
+
+@pytest.fixture(autouse=True)
+def _trace_dir(tmp_path, monkeypatch):
+    """A rank that reports a timeout writes its flight record: into the test's directory."""
+    monkeypatch.setenv("MPICOMM_TRACE_DIR", str(tmp_path / "traces"))
 
 
 def run(n, mode, gpu=False, limit=120, env=None, token=None):
@@ -67,6 +74,43 @@ def test_missing_rank_times_out_with_diagnosis(gpu):
         assert f"Rank 1 of {n} has not reached this call" in line
     assert re.search(r"^  rank 1: last call all_reduce sequence 2 on group 'world', finished [\d.]+ s ago; "
                      r"not in a collective$", p.stderr, re.M), p.stderr
+
+
+def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
+    """Rank 1 of 3 writes its record and skips the third all_reduce: ranks 0 and 2 report the
+    timeout and write theirs; rank 0's report ends with the file's path, and mpicomm-trace on
+    the files shows that rank 1 never entered call 3 while the others wait in it."""
+    d = tmp_path / "traces"
+    p, took = run(3, "flight_skip", limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 15, took
+    rank0 = [line for line in p.stderr.splitlines() if line.startswith("[mpicomm rank 0] ")]
+    assert rank0[0].startswith("[mpicomm rank 0] CollectiveTimeoutError: rank 0: all_reduce sequence 3"), p.stderr
+    f0 = d / "mpicomm-trace.rank0.json"
+    assert rank0[-1] == f"[mpicomm rank 0] flight record: {f0}; merge the ranks' files with mpicomm-trace", p.stderr
+    assert results(p) == {1: [f"dumped {d / 'mpicomm-trace.rank1.json'}"]}
+    # the records: every rank's all_reduce calls of shape (4,) float32; rank 1 made two
+    rec0 = json.loads(f0.read_text())
+    assert rec0["reason"] == "timeout"
+    assert [(c["seq"], c["collective"], c["shape"], c["dtype"], c["done"]) for c in rec0["calls"]] == \
+        [(1, "all_reduce", [4], "float32", True), (2, "all_reduce", [4], "float32", True),
+         (3, "all_reduce", [4], "float32", False)]
+    rec1 = json.loads((d / "mpicomm-trace.rank1.json").read_text())
+    assert [(c["seq"], c["done"]) for c in rec1["calls"]] == [(1, True), (2, True)]
+    # rank 2 may be ended by rank 0's abort before it writes: merge whatever was written
+    files = sorted(str(f) for f in d.glob("mpicomm-trace.rank*.json"))
+    t = subprocess.run([sys.executable, "-m", "mpicomm.tools.trace", *files], capture_output=True, text=True,
+                       timeout=60, env=clean_mpi_env())
+    assert t.returncode == 0, t.stderr
+    ranks = [int(re.search(r"rank(\d)\.json$", f).group(1)) for f in files]
+    rows = {int(m.group(1)): re.split(r"\s{2,}", m.group(0).strip())
+            for m in re.finditer(r"^(\d+)  .*$", t.stdout, re.M)}
+    assert sorted(rows) == [1, 2, 3], t.stdout
+    col = {r: 3 + i for i, r in enumerate(ranks)}   # seq, collective, shape dtype, then one column a rank
+    for seq in (1, 2):
+        assert all(rows[seq][col[r]].startswith("+") and "pending" not in rows[seq][col[r]] for r in ranks)
+    assert rows[3][col[1]] == "-"
+    assert rows[3][col[0]].endswith("(pending)")
+    assert rows[3][-1] == "rank 1 (not entered)", t.stdout
 
 
 def test_different_collectives_at_one_sequence_name_the_odd_rank():
@@ -109,6 +153,24 @@ def test_early_exit_is_reported_within_seconds(status):
         assert "Rank 1 has left the script (exited or returned) without reaching this call" in m.group(1)
     assert re.search(r"^  rank 1: has left its script \(it exited or returned\) without reaching this call; "
                      r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
+
+
+def test_early_exit_report_writes_the_flight_record(tmp_path):
+    """The early-exit report, like the timeout's, ends with where the rank's record is."""
+    p, took = run(3, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": "60"})
+    assert p.returncode != 0 and took < 30, took
+    for r in (0, 2):
+        lines = [line for line in p.stderr.splitlines() if line.startswith(f"[mpicomm rank {r}] ")]
+        f = tmp_path / "traces" / f"mpicomm-trace.rank{r}.json"
+        if not f.exists():   # ended by the other reporting rank's abort before it wrote
+            continue
+        assert lines[0].startswith(f"[mpicomm rank {r}] CommunicationError: "), p.stderr
+        assert lines[-1] == f"[mpicomm rank {r}] flight record: {f}; merge the ranks' files with mpicomm-trace"
+        rec = json.loads(f.read_text())
+        assert rec["reason"] == "early exit"
+        assert [(c["seq"], c["done"]) for c in rec["calls"]] == [(1, True), (2, False)]
+    assert (tmp_path / "traces" / "mpicomm-trace.rank0.json").exists() or \
+        (tmp_path / "traces" / "mpicomm-trace.rank2.json").exists(), p.stderr
 
 
 def test_group_creation_is_watched():
