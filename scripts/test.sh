@@ -7,14 +7,16 @@
 # not run at the rank count asked for.
 #   scripts/test.sh                 everything
 #   scripts/test.sh -k all_reduce   extra arguments go to every pytest run
-# Environment: MPICOMM_TEST_RANKS="1 2 4" (rank counts), MPICOMM_TEST_TIMEOUT=900 (s per run),
+# Environment: MPICOMM_TEST_RANKS="1 2 4" (rank counts), MPICOMM_TEST_TIMEOUT (s per run;
+#              default 1500 for the serial run, 600 for each MPI run: 55 minutes at most),
 #              MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
 #              MPICOMM_VENV=.venv, MPICOMM_NO_INSTALL=1 (use the current python as is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 ranks=${MPICOMM_TEST_RANKS:-"1 2 4"}
-limit=${MPICOMM_TEST_TIMEOUT:-900}
+serial_limit=${MPICOMM_TEST_TIMEOUT:-1500}
+mpi_limit=${MPICOMM_TEST_TIMEOUT:-600}
 peak_limit=${MPICOMM_TEST_PEAK_MB:-2048}
 
 source "$root/scripts/_env.sh"
@@ -41,12 +43,12 @@ with open(sys.argv[1], "w") as f:
     f.write("%d\n" % (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024))
 sys.exit(rc if rc >= 0 else 128 - rc)'
 
-# stage NAME RANKS CMD...: runs CMD under the time limit, shows its output and keeps it in
-# $work/NAME.log, then records the verdict, the time and the peak memory; sets failed=1 if
-# it failed. RANKS is the world size pytest-mpi must report ("" for the serial run).
+# stage NAME RANKS LIMIT CMD...: runs CMD for at most LIMIT seconds, shows its output and
+# keeps it in $work/NAME.log, then records the verdict, the time and the peak memory; sets
+# failed=1 if it failed. RANKS is the world size pytest-mpi must report ("" if serial).
 stage() {
-    local name=$1 n=$2 t0=$SECONDS rc=0 log=$work/$1.log
-    shift 2
+    local name=$1 n=$2 limit=$3 t0=$SECONDS rc=0 log=$work/$1.log
+    shift 3
     "$py" -c "$peak_py" "$log.peak" timeout -k 20 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
     local secs=$((SECONDS - t0)) peak counts passed verdict
     peak=$(cat "$log.peak" 2>/dev/null || echo "?")
@@ -77,13 +79,13 @@ stage() {
 }
 
 echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
-stage serial "" "$py" -m pytest "${pytest_flags[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
+stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 
 for n in $ranks; do
     echo "== MPI tests at $n rank(s) (rank 0 shown; the others' log tails follow a failure)"
     mkdir -p "$work/np$n"
     # bash -c SCRIPT DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
-    stage "mpi-x$n" "$n" "$mpirun" "${root_flags[@]}" -n "$n" \
+    stage "mpi-x$n" "$n" "$mpi_limit" "$mpirun" "${root_flags[@]}" -n "$n" \
         bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
                  if [ "$r" = 0 ]; then exec "$@" --basetemp="$0/tmp.$r"
                  else exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1; fi' \
