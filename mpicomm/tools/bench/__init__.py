@@ -34,9 +34,8 @@ the per-call cost at the smallest size of all_reduce, all_gather, reduce_scatter
 broadcast (median of interleaved rounds). ``--shm-threshold``/``--shm-piece`` set
 MPICOMM_SHM_THRESHOLD/MPICOMM_SHM_PIECE, ``--debug`` runs mpicomm in debug mode.
 
-``--coll buckets`` times the ResNet-50 gradient set (``resnet50_grad_shapes.txt`` from
-``--shapes FILE``, ``$MPICOMM_GRAD_SHAPES``, ``$MPICOMM_SHARED_DATA``, else
-``../shared/data`` next to the repository): one in-place all_reduce per tensor,
+``--coll buckets`` times the ResNet-50 gradient set (``--shapes FILE``,
+``$MPICOMM_GRAD_SHAPES``, else the set that ships in ``mpicomm/tools/bench/data``): one in-place all_reduce per tensor,
 DistributedGradReducer's buckets (``--bucket-cap-mb``), and one flat buffer. ``--json
 FILE`` writes every row; ``--plot FILE.png`` draws busbw against size (mpicomm and raw).
 
