@@ -86,27 +86,15 @@ class Dispatcher:
         return p.describe() if p is not NEVER else "no array"
 
     def barrier(self, async_op):
-        if _DROPPED:
-            complete_dropped()
-        g = self.group
-        seq = self.seq = self.seq + 1
-        v = seq << 4 | BARRIER
-        m, b = self.mem, self.row
-        m[b] = v
-        if self.fr is not None:
-            self.fr[seq & self.fmask] = (seq, BARRIER, None, _now())
-        try:
-            r = self.transport.barrier(async_op)
-        finally:
-            m[b + 1] = v
+        r = self.watched(BARRIER, lambda: self.transport.barrier(async_op))
         if async_op:
-            r._what = r._what[:3] + (g, seq)
+            r._what = r._what[:3] + (self.group, self.seq)
             r._on_timeout = self.on_timeout
         return r
 
     def watched(self, code, fn):
-        """Run ``fn()``, a blocking call that every rank of the group makes but that is no
-        collective of the transport (creating or destroying a group), published as one."""
+        """Run ``fn()``, a call that every rank of the group makes without arrays (a barrier,
+        creating or destroying a group), published and recorded like a collective."""
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -129,7 +117,3 @@ class Dispatcher:
         if _DROPPED:
             complete_dropped()
         return self.transport.point_to_point(code, x, peer, tag, async_op, stream)
-
-    def forget(self):
-        """Drop every prepared call (the transport changed its settings)."""
-        self.last = [NEVER] * (len(COLLECTIVES) + 1)

@@ -265,7 +265,7 @@ def test_load_no_wrong_value_no_growth(gpu):
 
 
 def test_large_count_all_reduce_and_broadcast():
-    # 2**31 + 5 int8 elements (2 GiB a rank, about 10 GiB of memory in all at 2 ranks)
+    # 2**31 + 5 int8 elements in place (2 GiB a rank, about 2.2 GB peak a process at 2 ranks)
     p, _ = run(2, "bigcount", limit=600, env={"MPICOMM_TIMEOUT": "600"})
     assert p.returncode == 0, p.stderr[-3000:]
     res = results(p)
