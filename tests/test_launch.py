@@ -952,3 +952,55 @@ def test_bad_option_returns_usage_status(capsys):
     assert "argument -H/--host: not allowed with argument --hostfile" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     assert "--log-dir DIR" in capsys.readouterr().out
+
+
+def _processes_with(token):
+    """PIDs whose command line holds ``token`` (mpirun, its daemon and the ranks)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            pass
+    return pids
+
+
+@needs_mpirun
+@spawns_mpirun
+@pytest.mark.timeout(120)
+def test_killing_mpicomm_run_takes_mpirun_and_the_ranks_down(tmp_path):
+    """SIGKILL of mpicomm-run (it cannot forward a signal it never sees): mpirun gets
+    SIGTERM from Linux (PR_SET_PDEATHSIG) and ends the ranks; nothing is left running."""
+    import signal
+    import time
+    import uuid
+
+    token = f"mpicomm-kill-test-{uuid.uuid4().hex}"
+    script = tmp_path / "wait.py"
+    script.write_text("import sys, time\nprint('ready', flush=True)\ntime.sleep(100)\n")
+    p = subprocess.Popen(run_cli("-n", "2", "python", str(script), token), env=clean_mpi_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = 0
+        deadline = time.monotonic() + 60
+        while ready < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            ready += line.strip() == "ready"
+        assert ready == 2, "the ranks did not start"
+        assert len(_processes_with(token)) >= 3   # mpirun and two ranks
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while _processes_with(token) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(token) == [], "mpirun or ranks outlived mpicomm-run"
+    finally:
+        for pid in _processes_with(token):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

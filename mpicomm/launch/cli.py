@@ -19,6 +19,7 @@ share them (a one-line notice says so). See docs/LAUNCH.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shlex
@@ -224,9 +225,19 @@ def _environment(env, extra):
     return env, forward, set_env
 
 
+def _die_with_parent():
+    """In the mpirun child, before exec: ask Linux to send it SIGTERM when mpicomm-run dies,
+    however it dies (SIGKILL included), so that mpirun takes its ranks down with it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: mpirun then outlives a killed mpicomm-run, as plain mpirun would
+        pass
+
+
 def _run(argv, env, timeout):
     """Run mpirun; return its exit status (124 if it was ended by the timeout)."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     def forward(signum, frame):
         proc.send_signal(signum)
