@@ -17,7 +17,11 @@ from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 def _pick_backend(backend):
     if backend is None:
-        backend = os.environ.get("MPICOMM_BACKEND") or None
+        env = os.environ.get("MPICOMM_BACKEND", "").strip()
+        if env and env.lower() not in backend_names():
+            raise invalid("MPICOMM_BACKEND", env, "one of " + ", ".join(repr(n) for n in backend_names())
+                          + ", or unset (NCCL where CuPy sees a GPU, else MPI)")
+        backend = env or None
     if backend is None:
         return "nccl" if gpu_count() > 0 else "mpi"
     if not isinstance(backend, str) or backend.lower() not in backend_names():
@@ -42,6 +46,9 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
     """
     if timeout is None:
         timeout = env_float("MPICOMM_TIMEOUT", _state.DEFAULT_TIMEOUT)
+        if not timeout >= 0:   # (also NaN)
+            raise invalid("MPICOMM_TIMEOUT", os.environ["MPICOMM_TIMEOUT"],
+                          "a number of seconds >= 0 (0 disables the timeout)")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
         raise invalid("timeout", timeout, "a number of seconds >= 0 (0 disables the timeout)")
     if debug is None:

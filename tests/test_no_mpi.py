@@ -1,5 +1,6 @@
-"""Without an MPI library (``pip install mpicomm`` alone gives that): every entry point
-says so and how to get one, instead of mpi4py's bare "cannot load MPI library".
+"""Before MPI starts. Without an MPI library (``pip install mpicomm`` alone gives that):
+every entry point says so and how to get one, instead of mpi4py's bare "cannot load MPI
+library". And bad values of the MPICOMM_* variables init reads are refused, named.
 The missing library is made real by pointing mpi4py at one that does not exist
 (``MPI4PY_LIBMPI``), in a fresh process."""
 import os
@@ -52,3 +53,21 @@ def test_tools_exit_2_with_the_fix(tool):
     assert f"mpicomm-{tool}: no MPI library could be loaded" in p.stderr
     assert HOW in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("name,value,allowed", [
+    ("MPICOMM_BACKEND", "gloo", "one of 'mpi', 'nccl', or unset"),
+    ("MPICOMM_TIMEOUT", "-5", "a number of seconds >= 0"),
+    ("MPICOMM_TIMEOUT", "soon", "a number of seconds"),
+    ("MPICOMM_DEBUG", "maybe", "1, on, true or yes; 0, off, false or no"),
+])
+def test_bad_environment_values_are_refused_naming_the_variable(name, value, allowed):
+    """Checked before MPI starts, so every rank refuses alike (the environment is the job's)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_"))}
+    env[name] = value
+    p = subprocess.run([sys.executable, "-c", "import mpicomm\n"
+                        "try:\n    mpicomm.init()\n"
+                        "except mpicomm.InvalidArgumentError as e:\n    print('RAISED', e)\n"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"RAISED invalid {name}={value!r}" in p.stdout and allowed in p.stdout, p.stdout
