@@ -48,6 +48,15 @@ def run(n, mode, gpu=False, limit=120, env=None, token=None):
     return p, time.monotonic() - t0
 
 
+def timeout_report(n, mode):
+    """Run ``mode`` at ``n`` ranks, which must end by the timeout: (process, rank 0's report match)."""
+    p, took = run(n, mode, limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 15, took
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    return p, m
+
+
 def results(p):
     """{rank: [result line, ...]} from the RESULT lines of every rank."""
     out = {}
@@ -116,10 +125,7 @@ def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
 def test_different_collectives_at_one_sequence_name_the_odd_rank():
     """Three ranks in all_reduce and one in barrier at sequence 2: the report names the rank
     in the other collective, instead of blaming the transport."""
-    p, took = run(4, "other_collective", limit=TIMEOUT + 60)
-    assert p.returncode != 0 and took < TIMEOUT + 15, took
-    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
-    assert m, p.stderr
+    p, m = timeout_report(4, "other_collective")
     assert "all_reduce sequence 2 on group 'world'" in m.group(1)
     assert "Rank 3 is in another collective at sequence 2: the ranks called different collectives" in m.group(1)
     assert re.search(r"^  rank 3: in barrier sequence 2 on group 'world', not all_reduce$", p.stderr, re.M), p.stderr
@@ -129,10 +135,7 @@ def test_different_collectives_at_one_sequence_name_the_odd_rank():
 def test_a_caught_local_error_is_named_by_the_peers():
     """Rank 1's all_reduce fails its out= check and rank 1 catches it: rank 0, waiting in
     that all_reduce, is told that rank 1 raised there and did not take part."""
-    p, took = run(2, "caught_raise", limit=TIMEOUT + 60)
-    assert p.returncode != 0 and took < TIMEOUT + 15, took
-    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
-    assert m, p.stderr
+    p, m = timeout_report(2, "caught_raise")
     assert "Rank 1 has raised an error in this call and did not take part" in m.group(1)
     assert re.search(r"^  rank 1: raised an error in its all_reduce sequence 2 on group 'world' and did not "
                      r"take part .*; now past it, at sequence 2$", p.stderr, re.M), p.stderr
@@ -175,10 +178,7 @@ def test_early_exit_report_writes_the_flight_record(tmp_path):
 
 def test_group_creation_is_watched():
     """create_group is collective over the world: a rank that never comes is named."""
-    p, took = run(3, "skip_create_group", limit=TIMEOUT + 60)
-    assert p.returncode != 0 and took < TIMEOUT + 15, took
-    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
-    assert m, p.stderr
+    p, m = timeout_report(3, "skip_create_group")
     assert "create_group sequence 2 on group 'world'" in m.group(1)
     assert "Rank 1 of 3 has not reached this call" in m.group(1)
     assert re.search(r"^  rank 1: last call all_reduce sequence 1 on group 'world', finished [\d.]+ s ago; "

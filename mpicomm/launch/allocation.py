@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from mpicomm.launch.hostfile import Host, HostfileError, check_host_name
+from mpicomm.launch.hostfile import Host, HostfileError, check_host_name, read_text
 
 __all__ = ["Allocation", "AllocationError", "expand_nodelist", "parse_tasks_per_node",
            "from_slurm", "from_pbs", "from_env"]
@@ -159,13 +159,7 @@ def from_pbs(env):
     if not path:
         return None
     where = f"PBS_NODEFILE={path!r}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise AllocationError(f"{where}: cannot read it ({exc.strerror})") from exc
-    except UnicodeDecodeError as exc:
-        raise AllocationError(f"{where}: not a text file ({exc})") from exc
+    text = read_text(path, where, AllocationError)
     counts = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         name = raw.split("#", 1)[0].strip()

@@ -206,14 +206,19 @@ def parse_hostfile(path):
 
     Raises HostfileError if the file cannot be read or a line is malformed.
     """
+    text = read_text(path, f"--hostfile {str(path)!r}", HostfileError)
+    return parse_hostfile_text(text, source=str(path))
+
+
+def read_text(path, where, error):
+    """The text of the file at ``path``; ``error(message)`` naming ``where`` if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as exc:
-        raise HostfileError(f"--hostfile {str(path)!r}: cannot read it ({exc.strerror})") from exc
+        raise error(f"{where}: cannot read it ({exc.strerror})") from exc
     except UnicodeDecodeError as exc:
-        raise HostfileError(f"--hostfile {str(path)!r}: not a text file ({exc})") from exc
-    return parse_hostfile_text(text, source=str(path))
+        raise error(f"{where}: not a text file ({exc})") from exc
 
 
 def parse_host_list(text):
