@@ -1,5 +1,5 @@
 """Shared fixtures. MPI tests are marked ``@pytest.mark.mpi`` and run under mpirun at
-1, 2 and 4 ranks (scripts/test.sh); unmarked tests run once, without mpirun."""
+1, 2, 3 and 4 ranks (scripts/test.sh); unmarked tests run once, without mpirun."""
 import os
 import sys
 
