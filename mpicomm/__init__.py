@@ -6,6 +6,8 @@ GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
                           all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
 from ._backends.base import Work
+from ._objects import (all_gather_object, broadcast_object, gather_object, recv_object, scatter_object,
+                       send_object)
 from ._reliability.flight import dump_flight_record
 from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
                      get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_rank,
@@ -44,6 +46,7 @@ __all__ = [
     "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
     "send", "recv", "barrier", "dump_flight_record",
+    "all_gather_object", "broadcast_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "MpicommError", "NotInitializedError", "BackendUnavailableError", "InvalidArgumentError",
     "CommunicationError", "CollectiveTimeoutError", "CollectiveMismatchError",

@@ -1,0 +1,223 @@
+"""Collectives and point-to-point of Python objects, on the group's MPI communicator.
+
+Each object is pickled once, with protocol 5: NumPy arrays (and anything else that
+exports a ``PickleBuffer``) of 64 KiB or more stay out of the pickle and travel as
+their own messages, straight from their memory; the receiver's arrays are views of
+the received buffers. The transport is mpi4py's ``mpi4py.util.pkl5`` (messages of
+any size: more than 2 GiB goes as one derived datatype), on the group's MPI
+communicator, on either backend (GPU arrays inside an object are pickled as their
+library pickles them, through the host).
+
+Every call pickles before it communicates, and a rank whose object cannot be pickled
+sends, in place of the object, a note of the error through the same messages, so
+every rank that would otherwise wait raises the same InvalidArgumentError (a failed
+unpickle, where a class is missing on the receiver, raises on that rank only).
+The collective calls are published for the watchdog like any collective.
+"""
+from __future__ import annotations
+
+import pickle
+
+from . import _ops
+from ._ops import ALL_GATHER, BROADCAST, REDUCE
+from ._state import CTX, get_group
+from .errors import invalid
+
+# smaller buffers go inside the pickle (one message is cheaper than two): pkl5's own threshold
+_OOB_MIN = 256 << 10
+_ERR = "mpicomm-pickle-error"
+_CACHE = {}   # id(group) -> (its MPI communicator, the pkl5 view of it)
+
+
+def _pkl(g):
+    c = _CACHE.get(id(g))
+    if c is None or c[0] is not g.mpi_comm:
+        from mpi4py.util import pkl5
+
+        c = _CACHE[id(g)] = (g.mpi_comm, pkl5.Intracomm(g.mpi_comm))
+    return c[1]
+
+
+def _dump(obj, rank, arg="obj"):
+    """What a rank sends for ``obj``: ``(pickle, [out-of-band buffers])`` as PickleBuffers,
+    or an error note ``(_ERR, rank, arg, message)`` when ``obj`` cannot be pickled."""
+    bufs = []
+
+    def oob(b):
+        if b.raw().nbytes < _OOB_MIN:
+            return True              # in-band
+        bufs.append(b)
+        return False
+
+    try:
+        data = pickle.dumps(obj, protocol=5, buffer_callback=oob)
+    except Exception as e:   # PicklingError, TypeError, AttributeError, ...: whatever pickle raises
+        return (_ERR, rank, arg, f"{type(obj).__name__} object, which pickle refuses ({type(e).__name__}: {e})")
+    return (pickle.PickleBuffer(data), bufs)
+
+
+def _load(msg):
+    data, bufs = msg
+    return pickle.loads(data, buffers=bufs)
+
+
+def _is_err(msg):
+    return len(msg) == 4 and msg[0] == _ERR
+
+
+def _raise(msgs):
+    """Raise, alike on every rank that has ``msgs``, for the first error note among them."""
+    for m in msgs:
+        if m is not None and _is_err(m):
+            _, rank, arg, what = m
+            raise invalid(arg, what, "a picklable object (pickle.dumps(obj, protocol=5) must work)", rank)
+
+
+def _root(root, g):
+    if isinstance(root, bool) or not isinstance(root, int) and not hasattr(root, "__index__"):
+        raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
+    try:
+        r = int(root.__index__())
+    except Exception:
+        raise invalid("root", root, f"a group rank in 0..{g.size - 1}") from None
+    if not 0 <= r < g.size:
+        raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
+    return r
+
+
+def _peer(peer, g, arg):
+    if isinstance(peer, bool) or not hasattr(peer, "__index__") or not 0 <= int(peer.__index__()) < g.size:
+        raise invalid(arg, peer, f"a group rank in 0..{g.size - 1}")
+    peer = int(peer.__index__())
+    if peer == g.rank:
+        raise invalid(arg, peer, f"another rank of the group (0..{g.size - 1}, not this rank {g.rank}): "
+                      "an object sent to oneself would never be received")
+    return peer
+
+
+def _tag(tag):
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
+        raise invalid("tag", tag, "an int in 0..32767 (MPI's smallest guaranteed tag range)")
+    return tag
+
+
+def _group(group):
+    g = CTX.world if group is None else None
+    return g if g is not None else get_group(group)
+
+
+def all_gather_object(obj, group=None):
+    """Every rank's ``obj``, as a list in group rank order, on every rank.
+
+    Raises InvalidArgumentError on every rank when any rank's ``obj`` cannot be
+    pickled (naming that rank).
+    """
+    g = _group(group)
+    c = _pkl(g)
+    msg = _dump(obj, g.rank)
+    msgs = g.disp.watched(ALL_GATHER, lambda: c.allgather(msg))
+    _raise(msgs)
+    return [_load(m) for m in msgs]
+
+
+def broadcast_object(obj=None, root=0, group=None):
+    """Root's ``obj`` on every rank (the other ranks' ``obj`` is ignored).
+
+    Raises InvalidArgumentError on every rank for a root out of range or when root's
+    ``obj`` cannot be pickled.
+    """
+    g = _group(group)
+    root = _root(root, g)
+    c = _pkl(g)
+    msg = _dump(obj, g.rank) if g.rank == root else None
+    msg = g.disp.watched(BROADCAST, lambda: c.bcast(msg, root))
+    _raise([msg])
+    return _load(msg)
+
+
+def gather_object(obj, root=0, group=None):
+    """Every rank's ``obj`` as a list in group rank order on ``root``; None on the others.
+
+    Raises InvalidArgumentError on every rank for a root out of range or when any
+    rank's ``obj`` cannot be pickled (root tells the others, at the cost of one small
+    broadcast after the gather).
+    """
+    g = _group(group)
+    root = _root(root, g)
+    c = _pkl(g)
+    msg = _dump(obj, g.rank)
+
+    def run():
+        msgs = c.gather(msg, root)
+        bad = None
+        if msgs is not None:
+            bad = next((m for m in msgs if _is_err(m)), None)
+        return msgs, g.mpi_comm.bcast(bad, root)
+
+    msgs, bad = g.disp.watched(getattr(_ops, "GATHER", REDUCE), run)
+    _raise([bad])
+    return [_load(m) for m in msgs] if msgs is not None else None
+
+
+def scatter_object(objs=None, root=0, group=None):
+    """Root's ``objs[i]`` on group rank i (``objs`` is read on root only).
+
+    Raises InvalidArgumentError on every rank for a root out of range, when root's
+    ``objs`` is not a sequence of one object per rank, or when one of them cannot be
+    pickled: root sends the note of the error in place of each rank's object.
+    """
+    g = _group(group)
+    root = _root(root, g)
+    c = _pkl(g)
+    msgs = None
+    if g.rank == root:
+        n = g.size
+        if objs is None or isinstance(objs, (str, bytes, dict)) or not hasattr(objs, "__len__") \
+                or not hasattr(objs, "__getitem__") or len(objs) != n:
+            what = f"{type(objs).__name__} of length {len(objs)}" if hasattr(objs, "__len__") \
+                else type(objs).__name__
+            note = (_ERR, root, "objs", f"{what}, which is not a list of one object per rank")
+            msgs = [note] * n
+        else:
+            msgs = []
+            for i in range(n):
+                m = _dump(objs[i], root, f"objs[{i}]")
+                if _is_err(m):
+                    msgs = [m] * n
+                    break
+                msgs.append(m)
+    msg = g.disp.watched(getattr(_ops, "SCATTER", BROADCAST), lambda: c.scatter(msgs, root))
+    if _is_err(msg) and msg[2] == "objs":
+        raise invalid("objs", msg[3], f"a list (or tuple) of {g.size} objects on root {root}, "
+                      "one per group rank", msg[1])
+    _raise([msg])
+    return _load(msg)
+
+
+def send_object(obj, dst, group=None, tag=0):
+    """Send ``obj`` to group rank ``dst`` (matched by ``recv_object`` there, in order of
+    (source, tag) with mpicomm's other object messages).
+
+    An object that cannot be pickled sends a note of the error instead, so the matching
+    ``recv_object`` raises too, and this rank raises InvalidArgumentError.
+    """
+    g = _group(group)
+    dst = _peer(dst, g, "dst")
+    tag = _tag(tag)
+    msg = _dump(obj, g.rank)
+    _pkl(g).send(msg, dst, tag)
+    _raise([msg])
+
+
+def recv_object(src, group=None, tag=0):
+    """The object that group rank ``src`` sent with ``send_object`` (same tag)."""
+    g = _group(group)
+    src = _peer(src, g, "src")
+    tag = _tag(tag)
+    msg = _pkl(g).recv(None, src, tag)
+    _raise([msg])
+    return _load(msg)
+
+
+__all__ = ["all_gather_object", "broadcast_object", "gather_object", "scatter_object",
+           "send_object", "recv_object"]
