@@ -10,6 +10,7 @@ from ._dispatch import Dispatcher
 from ._mpi import load as load_mpi
 from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
+from ._reliability.progress import ghash
 from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
@@ -110,9 +111,11 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
 
 
 def _attach(ctx, g):
-    """Give group ``g`` its dispatcher (its progress row; in debug mode, the checked transport)."""
+    """Give group ``g`` its dispatcher (its progress row; in debug mode, the checked transport).
+    A group still being created (no transport yet) gets its transport later (_connect)."""
     rel = ctx.reliability
-    g.disp = Dispatcher(g, rel.wrap(g.transport, g), rel.progress.m, rel.row(g), rel.watchdog.work_timeout)
+    t = rel.wrap(g.transport, g) if g.transport is not None else None
+    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog.work_timeout)
     g.call = g.disp.call
 
 
@@ -199,12 +202,18 @@ def _any_group(group):
 
 
 def create_group(group, rank_ids):
-    """Create the named group ``group`` of world ranks ``rank_ids`` (collective over the world).
+    """Create the named group ``group`` of world ranks ``rank_ids``.
 
-    Every rank calls it with the same arguments, members and non-members alike; group
-    rank i is world rank ``rank_ids[i]``. Raises InvalidArgumentError on every rank for
-    an empty or duplicate name, a world alias, an empty list, duplicates or ranks out of
-    range, and when ranks pass different arguments.
+    Either only the members call it (MindSpore's usage) or every rank does; group rank i
+    is world rank ``rank_ids[i]``. The members create its communicator among themselves
+    (MPI_Comm_create_group); a non-member that calls it only records the name (so that
+    get_world_rank_from_group_rank and friends work there). The world's collectives are
+    not involved, so members and non-members keep counting the world's calls alike.
+    Creation is published as call 1 on the new group's progress row: a member that never
+    comes is named by the watchdog. Raises InvalidArgumentError for an empty or duplicate
+    name, a world alias, an empty list, duplicates or ranks out of range (on every rank
+    that calls it with those arguments). Members that pass different names or rank lists
+    do not meet: the watchdog reports the creation as not completed, naming the ranks.
     """
     ctx = require_init("create_group()")
     world = ctx.world
@@ -233,34 +242,45 @@ def create_group(group, rank_ids):
             elif any(not 0 <= r < n for r in ids):
                 bad = [r for r in ids if not 0 <= r < n]
                 err = invalid("rank_ids", rank_ids, f"world ranks in 0..{n - 1} (out of range: {bad})")
-    # published on the world's progress row like a collective, so that the watchdog names
-    # a rank that never comes (and the NCCL communicator's creation is watched too)
-    world.disp.watched(CREATE_GROUP, lambda: _create(ctx, group, ids, rank_ids, err))
-
-
-def _create(ctx, group, ids, rank_ids, err):
-    world = ctx.world
-    # agree first: every rank raises alike, none is left waiting in Create
-    mine = (repr(group), None if err else tuple(ids), None if err is None else str(err))
-    allv = world.mpi_comm.allgather(mine)
-    if err is not None:
+    if err is not None:   # from the arguments alone: alike on every rank that passes them
         raise err
-    if any(v != mine for v in allv):
-        raise invalid("create_group arguments", (group, list(rank_ids)),
-                      "the same (group, rank_ids) on every rank; got: "
-                      + "; ".join(f"rank {r}: {v[0]}, {list(v[1]) if v[1] else v[2]}" for r, v in enumerate(allv)))
-    MPI = load_mpi()
-    sub = world.mpi_comm.Create(world.mpi_comm.Get_group().Incl(ids))
-    if sub == MPI.COMM_NULL:
+    if world.rank not in ids:
         g = ctx.groups[group] = Group(group, ids, None, None, None)
         ctx.reliability.name(g)
         return
-    g = ctx.groups[group] = Group(group, ids, sub.Get_rank(), sub, ctx.backend.make_transport(sub))
+    g = Group(group, ids, ids.index(world.rank), None, None)
+    ctx.groups[group] = g
     _attach(ctx, g)
+    try:
+        g.disp.watched(CREATE_GROUP, lambda: _connect(ctx, g))
+    except BaseException:
+        ctx.groups.pop(group, None)
+        ctx.reliability.forget(g)
+        raise
+
+
+def _connect(ctx, g):
+    """Make member group ``g``'s communicator and transport, among its members only."""
+    world = ctx.world
+    ids = list(g.ranks)
+    # the tag tells concurrent creations apart; members that disagree on the name meet no one
+    # (the watchdog names them); the allgather is a cheap check of the ranks that did meet
+    tag = ghash(g.name) & 0x7FFF
+    sub = world.mpi_comm.Create_group(world.mpi_comm.Get_group().Incl(ids), tag)
+    allv = sub.allgather(tuple(ids))
+    if any(v != tuple(ids) for v in allv):
+        sub.Free()
+        raise invalid("create_group arguments", (g.name, ids),
+                      "the same rank_ids on every member; got: "
+                      + "; ".join(f"group rank {r}: {list(v)}" for r, v in enumerate(allv)))
+    g.mpi_comm = sub
+    g.transport = ctx.backend.make_transport(sub)
+    g.disp.transport = ctx.reliability.wrap(g.transport, g)
 
 
 def destroy_group(group):
-    """Destroy a group made by create_group (collective over the world, like create_group)."""
+    """Destroy a group made by create_group: collective over its members (a barrier among
+    them, watched like a collective); a non-member that calls it only forgets the name."""
     ctx = require_init("destroy_group()")
     if group in WORLD_ALIASES and group not in ctx.groups:
         raise invalid("group", group, "a group made by create_group (the world cannot be destroyed)")
@@ -268,7 +288,8 @@ def destroy_group(group):
         raise invalid("group", group, "a group made by create_group (known: "
                       + (", ".join(sorted(ctx.groups)) or "none") + ")")
     g = ctx.groups.pop(group)
-    ctx.world.disp.watched(DESTROY_GROUP, ctx.world.mpi_comm.Barrier)
+    if g.mpi_comm is not None:
+        g.disp.watched(DESTROY_GROUP, g.mpi_comm.Barrier)
     ctx.reliability.forget(g)
     if g.transport is not None:
         g.transport.close()

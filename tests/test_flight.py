@@ -63,20 +63,20 @@ def test_record_matches_the_calls(comm, rng, shared_dir):
     name = f"flight-sub-{n}"
     base = CTX.world.disp.seq                               # world calls made before this test
     t_before = time.time_ns()
-    comm.create_group(name, members)                                                     # world base+1
-    comm.all_reduce(rng.standard_normal((3, 4)).astype(np.float32), op="max")            # base+2
-    comm.broadcast(rng.integers(0, 9, 5), root=n - 1)                                    # base+3 (int64)
-    comm.barrier()                                                                       # base+4
-    with pytest.raises(comm.InvalidArgumentError):                                       # base+5: its
+    comm.create_group(name, members)       # sub 1 on the members (the world's calls are not counted)
+    comm.all_reduce(rng.standard_normal((3, 4)).astype(np.float32), op="max")            # world base+1
+    comm.broadcast(rng.integers(0, 9, 5), root=n - 1)                                    # base+2 (int64)
+    comm.barrier()                                                                       # base+3
+    with pytest.raises(comm.InvalidArgumentError):                                       # base+4: its
         comm.all_reduce(np.arange(3, dtype=np.int32), op="avg")                          # preparation raised
-    comm.all_gather(rng.standard_normal(2), async_op=True).wait()                        # base+6 (float64)
-    comm.reduce(rng.integers(0, 9, 6).astype(np.int32), op="min", root=0)               # base+7
+    comm.all_gather(rng.standard_normal(2), async_op=True).wait()                        # base+5 (float64)
+    comm.reduce(rng.integers(0, 9, 6).astype(np.int32), op="min", root=0)               # base+6
     if r in members:
         k = len(members)
-        comm.all_reduce(rng.standard_normal(7), group=name)                              # sub 1
-        comm.all_to_all(rng.standard_normal(2 * k).astype(np.float32), group=name)        # sub 2
-        comm.reduce_scatter(rng.standard_normal(3 * k).astype(np.float32), op="avg", group=name)  # sub 3
-    comm.all_reduce(np.arange(4, dtype=np.uint8) + r)                                    # base+8
+        comm.all_reduce(rng.standard_normal(7), group=name)                              # sub 2
+        comm.all_to_all(rng.standard_normal(2 * k).astype(np.float32), group=name)        # sub 3
+        comm.reduce_scatter(rng.standard_normal(3 * k).astype(np.float32), op="avg", group=name)  # sub 4
+    comm.all_reduce(np.arange(4, dtype=np.uint8) + r)                                    # base+7
     t_after = time.time_ns()
     path = comm.dump_flight_record()
     assert path == os.path.join(shared_dir, f"mpicomm-trace.rank{r}.json")
@@ -85,18 +85,18 @@ def test_record_matches_the_calls(comm, rng, shared_dir):
     assert (rec["format"], rec["rank"], rec["world_size"], rec["pid"], rec["host"]) == \
         ("mpicomm-flight-record", r, n, os.getpid(), socket.gethostname())
     W = "world"
-    want = [(W, base + 1, "create_group", None, None, None, None, False),
-            (W, base + 2, "all_reduce", [3, 4], "float32", "max", None, False),
-            (W, base + 3, "broadcast", [5], "int64", None, n - 1, False),
-            (W, base + 4, "barrier", None, None, None, None, False),
-            (W, base + 6, "all_gather", [2], "float64", None, None, True),
-            (W, base + 7, "reduce", [6], "int32", "min", 0, False)]
+    want = [(name, 1, "create_group", None, None, None, None, False)] if r in members else []
+    want += [(W, base + 1, "all_reduce", [3, 4], "float32", "max", None, False),
+             (W, base + 2, "broadcast", [5], "int64", None, n - 1, False),
+             (W, base + 3, "barrier", None, None, None, None, False),
+             (W, base + 5, "all_gather", [2], "float64", None, None, True),
+             (W, base + 6, "reduce", [6], "int32", "min", 0, False)]
     if r in members:
         k = len(members)
-        want += [(name, 1, "all_reduce", [7], "float64", "sum", None, False),
-                 (name, 2, "all_to_all", [2 * k], "float32", None, None, False),
-                 (name, 3, "reduce_scatter", [3 * k], "float32", "avg", None, False)]
-    want += [(W, base + 8, "all_reduce", [4], "uint8", "sum", None, False)]
+        want += [(name, 2, "all_reduce", [7], "float64", "sum", None, False),
+                 (name, 3, "all_to_all", [2 * k], "float32", None, None, False),
+                 (name, 4, "reduce_scatter", [3 * k], "float32", "avg", None, False)]
+    want += [(W, base + 7, "all_reduce", [4], "uint8", "sum", None, False)]
     mine = [c for c in rec["calls"] if c["group"] == name or c["group"] == W and c["seq"] > base]
     got = [(c["group"], c["seq"], c["collective"], c["shape"], c["dtype"], c["op"], c["root"], c["async_op"])
            for c in mine]
@@ -106,9 +106,9 @@ def test_record_matches_the_calls(comm, rng, shared_dir):
     assert starts == sorted(starts)
     # the clock origin is taken at init: allow for the wall clock being slewed since
     assert t_before - 10**9 <= starts[0] and starts[-1] <= t_after + 10**9
-    assert rec["groups"][W]["ranks"] == list(range(n)) and rec["groups"][W]["last_seq"] == base + 8
+    assert rec["groups"][W]["ranks"] == list(range(n)) and rec["groups"][W]["last_seq"] == base + 7
     if r in members:
-        assert rec["groups"][name] == {"ranks": members, "rank": members.index(r), "last_seq": 3, "done_seq": 3}
+        assert rec["groups"][name] == {"ranks": members, "rank": members.index(r), "last_seq": 4, "done_seq": 4}
     else:
         assert name not in rec["groups"]
 
@@ -119,11 +119,11 @@ def test_record_matches_the_calls(comm, rng, shared_dir):
 
         merged = trace.merge(trace.load_all(sorted(os.path.join(shared_dir, f) for f in os.listdir(shared_dir))))
         rows = {c["seq"]: c for c in merged[W]["calls"] if c["seq"] > base}
-        assert sorted(rows) == [base + s for s in (1, 2, 3, 4, 6, 7, 8)]
+        assert sorted(rows) == [base + s for s in (1, 2, 3, 5, 6, 7)]
         for c in rows.values():
             assert c["missing"] == [] and all(v.startswith("+") and "pending" not in v for v in c["cells"].values())
         sub = merged[name]
-        assert sub["members"] == sorted(members) and [c["seq"] for c in sub["calls"]] == [1, 2, 3]
+        assert sub["members"] == sorted(members) and [c["seq"] for c in sub["calls"]] == [1, 2, 3, 4]
         assert all(sub["calls"][0]["cells"][q] == "n/a" for q in range(n) if q not in members)
     comm.destroy_group(name)
 
@@ -137,12 +137,12 @@ def test_ring_keeps_the_last_n_calls(comm, shared_dir):
     name = f"flight-ring-{n}"
     comm.create_group(name, list(range(n)))
     total = N + 7
-    for i in range(total):
-        comm.all_reduce(np.arange(i + 1, dtype=np.float32), group=name)   # seq i + 1, shape (i + 1,)
+    for i in range(total):   # create_group was the group's call 1
+        comm.all_reduce(np.arange(i + 1, dtype=np.float32), group=name)   # seq i + 2, shape (i + 1,)
     path = comm.dump_flight_record(os.path.join(shared_dir, "ring", f"r{r}.json"))
     assert path == os.path.join(shared_dir, "ring", f"r{r}.json")
     calls = [c for c in _read(path)["calls"] if c["group"] == name]
-    assert [c["seq"] for c in calls] == list(range(8, total + 1))
+    assert [c["seq"] for c in calls] == list(range(9, total + 2))
     assert [c["shape"] for c in calls] == [[s] for s in range(8, total + 1)]
     comm.destroy_group(name)
 

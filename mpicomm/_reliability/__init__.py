@@ -14,14 +14,20 @@ a transport.
 from __future__ import annotations
 
 import atexit
+import sys
+import time
 
 from .._backends.base import complete_dropped
 from ..errors import InvalidArgumentError
-from .abort import ExceptHooks
+from .abort import ExceptHooks, ExitStatus, abort_job, rank_prefix
 from .debug import Checked
 from .flight import FlightRecorder, size_from_env
-from .progress import Progress
-from .watchdog import Watchdog
+from .progress import EXITED, Progress
+from .watchdog import EXIT_CHECK, GRACE, Watchdog
+
+# seconds a rank that exits with a non-zero status waits for its peers (to report it, or to
+# exit too) before it ends the job with its status itself
+LEAVE_WAIT = EXIT_CHECK + 2 * GRACE + 6.0
 
 
 class Reliability:
@@ -35,6 +41,7 @@ class Reliability:
         self.watchdog = Watchdog(self.progress, self.groups, ctx.timeout, ctx.world,
                                  ctx.device_id if ctx.backend_name == "nccl" else None, flight=self.flight)
         self.hooks = ExceptHooks(self.transports) if ctx.abort_on_exception else None
+        self.exit = ExitStatus()
         self._checked = []
 
     def groups(self):
@@ -47,6 +54,7 @@ class Reliability:
     def start(self):
         if self.hooks is not None:
             self.hooks.install()
+        self.exit.install()
         self.watchdog.start()
         atexit.register(self._atexit)
 
@@ -73,9 +81,31 @@ class Reliability:
             self._checked.remove(d.transport)
 
     def _atexit(self):
-        self.progress.mark_exited()
+        status = self.exit.status()
+        self.progress.mark_exited(status)
         complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
+        if status and self.ctx.world is not None and self.ctx.world.size > 1:
+            self._leave(status)
         self.close(free=False)
+
+    def _leave(self, status):
+        """This rank exits with a non-zero status: the job ends with it. Peers waiting in a
+        call report the exit and abort with the status within seconds; if they have not
+        within LEAVE_WAIT s and have not all exited too, this rank aborts the job itself
+        (MPI_Finalize would otherwise wait for them, and mpirun would report 1 or 0)."""
+        peers = [r for r in range(self.ctx.world.size) if r != self.ctx.world.rank]
+        deadline = time.monotonic() + LEAVE_WAIT
+        while time.monotonic() < deadline:
+            states = self.progress.read_peers(peers)
+            if all(st is not None and st[EXITED] for st in states.values()):
+                return
+            time.sleep(0.25)
+        left = [r for r, st in self.progress.read_peers(peers).items() if st is None or not st[EXITED]]
+        sys.stderr.write(f"{rank_prefix()}this rank exits with status {status} while rank"
+                         f"{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} still run: "
+                         f"ending the job with exit status {status}\n")
+        sys.stderr.flush()
+        abort_job(self.transports(), code=status)
 
     def close(self, free):
         self.watchdog.stop()
@@ -83,6 +113,7 @@ class Reliability:
             self.flight.close()
         if self.hooks is not None:
             self.hooks.uninstall()
+        self.exit.uninstall()
         try:
             atexit.unregister(self._atexit)
         except Exception:  # pragma: no cover

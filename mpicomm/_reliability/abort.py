@@ -18,8 +18,9 @@ def rank_prefix():
         return "[mpicomm] "
 
 
-def abort_job(transports=(), grace=0.0):
-    """Abort the given transports (NCCL communicators), then the whole MPI job (never returns)."""
+def abort_job(transports=(), grace=0.0, code=1):
+    """Abort the given transports (NCCL communicators), then the whole MPI job with exit
+    status ``code`` (never returns)."""
     for t in transports:
         try:
             t.abort()
@@ -29,7 +30,7 @@ def abort_job(transports=(), grace=0.0):
         time.sleep(grace)
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Abort(1)
+    MPI.COMM_WORLD.Abort(code)
 
 
 class ExceptHooks:
@@ -74,6 +75,78 @@ class ExceptHooks:
                          + "".join(p + line for line in text.splitlines(True)))
         sys.stderr.flush()
         abort_job(self.transports())
+
+
+def _status_of(code):
+    """The process exit status that ``sys.exit(code)`` gives."""
+    if code is None:
+        return 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code & 0xFF
+    return 1   # a message (printed), or any other object
+
+
+class ExitStatus:
+    """Learns this process's exit status for the peers: ``sys.exit``, ``exit`` and ``quit``
+    record theirs; an uncaught exception is 1 (Python sets ``sys.last_value``). A return
+    from the script and a bare ``raise SystemExit(n)`` look alike at exit: unknown."""
+
+    def __init__(self):
+        self.code = None
+        self.prev = None
+
+    def install(self):
+        import builtins
+
+        if self.prev is not None:
+            return
+        self.prev = (sys.exit, getattr(builtins, "exit", None), getattr(builtins, "quit", None))
+        real = self.prev[0]
+
+        def exit(status=None):
+            self.code = _status_of(status)
+            real(status)
+
+        def wrap(q):
+            if q is None:
+                return None
+
+            class Quitter(type(q)):
+                def __call__(qself, code=None):
+                    self.code = _status_of(code)
+                    return q(code)
+            try:
+                return Quitter(q.name, q.eof)
+            except Exception:
+                return q
+
+        exit.__doc__ = real.__doc__
+        sys.exit = exit
+        if self.prev[1] is not None:
+            builtins.exit = wrap(self.prev[1])
+        if self.prev[2] is not None:
+            builtins.quit = wrap(self.prev[2])
+
+    def uninstall(self):
+        import builtins
+
+        if self.prev is None:
+            return
+        sys.exit = self.prev[0]
+        if self.prev[1] is not None:
+            builtins.exit = self.prev[1]
+        if self.prev[2] is not None:
+            builtins.quit = self.prev[2]
+        self.prev = None
+
+    def status(self):
+        """The exit status (at exit), or None when it cannot be known."""
+        if self.code is not None:
+            return self.code
+        last = getattr(sys, "last_value", None)
+        if last is not None and not isinstance(last, SystemExit):
+            return 1
+        return None
 
 
 def quiet(fn):

@@ -17,11 +17,18 @@ import numpy as np
 
 from .abort import quiet
 
-# Window layout (int64): [magic, pid, exited, then ROWS rows of F fields]; "exited" is
-# set when the process leaves the script (atexit), so peers waiting on it can say so.
+# Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
+# its tag, stack-dump request, then ROWS rows of F fields]. "exited" is set when the process
+# leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
+# waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
+# p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
+# this rank's watchdog for its Python stack.
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 EXITED = 2
-HDR = 3
+XSTATUS = 3
+P2P, P2P_GH, P2P_TAG = 4, 5, 6
+DUMP = 7
+HDR = 8
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
 F = 5
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
@@ -37,6 +44,17 @@ READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 def ghash(name):
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def p2p_word(count, code, peer):
+    """The P2P header word: the call's running number (so that two equal calls in a row
+    differ), its collective code (send or recv) and the peer's world rank."""
+    return (count & 0xFFFFFF) << 28 | (peer & 0xFFFFFF) << 4 | code
+
+
+def p2p_fields(word):
+    """(code, peer world rank) of a P2P word."""
+    return word & 15, (word >> 4) & 0xFFFFFF
 
 
 class Progress:
@@ -63,7 +81,8 @@ class Progress:
         self.m = mem.cast("q")
         self.m[0] = MAGIC
         self.m[1] = os.getpid()
-        self.m[EXITED] = 0
+        for i in range(EXITED, HDR):
+            self.m[i] = 0
 
     def add(self, g):
         """A row for group ``g``; returns the index of its ENTERED word."""
@@ -83,9 +102,34 @@ class Progress:
         self.rows[g] = b + ENTERED
         return b + ENTERED
 
-    def mark_exited(self):
-        """This process is leaving the script: peers that wait on it will say so."""
+    def mark_exited(self, status=None):
+        """This process is leaving the script (with ``status``, None if unknown): peers
+        that wait on it will say so."""
+        if status is not None:
+            self.m[XSTATUS] = int(status) + 1
         self.m[EXITED] = 1
+
+    def request_dump(self, ranks):
+        """Ask the watchdogs of world ``ranks`` to print their Python stacks (an RMA put
+        into their DUMP word: works across hosts; a stopped process cannot answer)."""
+        if self.win is None:
+            return
+        from mpi4py import MPI
+
+        stamp = np.array([time.time_ns() & 0x7FFFFFFFFFFFFFFF], np.int64)
+        reqs = []
+        for r in ranks:
+            if r == self.wrank:
+                continue
+            try:
+                reqs.append(self.win.Rput([stamp, MPI.INT64_T], r, target=(DUMP, 1, MPI.INT64_T)))
+            except Exception:
+                pass
+        deadline = time.monotonic() + READ_WAIT   # a dead peer must not hold up the report
+        while reqs and time.monotonic() < deadline:
+            reqs = [q for q in reqs if not q.Test()]
+            if reqs:
+                time.sleep(0.002)
 
     def name(self, g):
         self.names[ghash(g.name)] = g.name

@@ -16,10 +16,12 @@ import sys
 import threading
 import time
 
-from .._ops import NAMES
+from .._ops import NAMES, RECV
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
-from .progress import DONE, ENTERED, EXITED, GHASH, HDR, RAISED, READ_WAIT, ROWS, TDONE, F, ghash
+from .progress import (DONE, DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, READ_WAIT, ROWS,
+                       TDONE, XSTATUS, F, ghash, p2p_fields)
+from .stacks import Stacks, stack_path
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
 EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a peer has exited
@@ -34,17 +36,23 @@ class Watchdog:
         self.device_id = device_id     # the GPU to record events on (NCCL), else None
         self.flight = flight           # the flight recorder, written with every report (or None)
         self.fired = False
+        self.stacks = Stacks(world.rank, rank_prefix)
+        self.lagging = []              # the ranks the last diagnosis found not in the call
+        self._p2p_seen = None          # (P2P word, first seen) of the send/recv in progress
+        self._dump_seen = 0            # the last DUMP stamp answered
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
         self._thread = None
 
     def start(self):
         if self.timeout > 0:
+            self.stacks.install_signal()
             self._thread = threading.Thread(target=self._loop, name="mpicomm-watchdog", daemon=True)
             self._thread.start()
 
     def stop(self):
         self._stop.set()
+        self.stacks.uninstall_signal()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5)
@@ -92,6 +100,27 @@ class Watchdog:
                     return
             else:
                 seen.pop(b, None)
+        w = m[P2P]   # a blocking send or recv in progress
+        if w:
+            s = self._p2p_seen
+            if s is None or s[0] != w:
+                self._p2p_seen = (w, now)
+            else:
+                waited = now - s[1]
+                peer = p2p_fields(w)[1]
+                if waited >= self.timeout or (waited >= EXIT_CHECK and self._exited([peer])):
+                    self.fire_p2p(w, waited, early=waited < self.timeout)
+                    return
+        else:
+            self._p2p_seen = None
+        if m[DUMP] != self._dump_seen:   # a peer's report asks for this rank's stack
+            self._dump_seen = m[DUMP]
+            self.stacks.publish(self.stacks.take(), "asked for by a peer's timeout report")
+        text = self.stacks.signalled()
+        if text:
+            self.stacks.publish(text, f"SIGUSR1")
+            sys.stderr.write(self._flight_line("SIGUSR1"))
+            sys.stderr.flush()
         if self.device_id is not None:
             self._tick_gpu(events, now)
         p.poke()
@@ -109,6 +138,21 @@ class Watchdog:
             if not mine or int(mine[0][ENTERED]) >> 4 < seq:
                 return True
         return False
+
+    def _exited(self, ranks):
+        """True when one of world ``ranks`` has left its script."""
+        states = self.progress.read_peers([r for r in ranks if r != self.progress.wrank])
+        return any(st is not None and st[EXITED] for st in states.values())
+
+    def _exit_code(self, ranks):
+        """The exit status the job should end with: that of the first of ``ranks`` that left
+        its script with a non-zero status (read from its window), else 1."""
+        states = self.progress.read_peers([r for r in ranks if r != self.progress.wrank])
+        for r in sorted(states):
+            st = states[r]
+            if st is not None and st[EXITED] and int(st[XSTATUS]) > 1:
+                return int(st[XSTATUS]) - 1
+        return 1
 
     def _tick_gpu(self, events, now):
         """Watch the GPU side of each group's last collective: when the group's done marker
@@ -149,14 +193,90 @@ class Watchdog:
                 return
             self.fired = True
         msg = self.diagnose(g, seq, name, desc, waited, gpu=gpu, early=early)
+        self._report(msg, early, g.ranks)
+
+    def _report(self, msg, early, ranks):
+        """Print the report (asking the lagging ranks for their stacks), write the flight
+        record, abort the job: with the exit status of a rank that left, else 1."""
+        lag = self.lagging
+        if lag:
+            self.progress.request_dump(lag)
+            msg += "\n  " + "; ".join(f"rank {r} prints its Python stack (also to {stack_path(r)} on its host)"
+                                      for r in lag)
+        code = self._exit_code(ranks) if early else 1
         kind = "CommunicationError" if early else "CollectiveTimeoutError"
         sys.stderr.write(f"{rank_prefix()}{kind}: {msg}\n"
-                         f"{rank_prefix()}aborting the job\n")
+                         f"{rank_prefix()}aborting the job" + (f" with exit status {code}" if code != 1 else "")
+                         + "\n")
         sys.stderr.flush()   # the report is out before the record is written
         sys.stderr.write(self._flight_line("early exit" if early else "timeout"))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
-                  grace=GRACE)
+                  grace=GRACE, code=code)
+
+    def fire_p2p(self, word, waited, early=False):
+        """Report a blocking send/recv that did not complete (or whose peer left) and abort."""
+        with self._lock:
+            if self.fired:
+                return
+            self.fired = True
+        m = self.progress.m
+        code, peer = p2p_fields(word)
+        gh, tag = int(m[P2P_GH]), int(m[P2P_TAG])
+        g = next((g for g in self.groups() if ghash(g.name) == gh), self.world)
+        d = getattr(g, "disp", None)
+        wh = getattr(d, "p2p_what", None)
+        desc = _desc(wh[0], wh[1]) if wh else "?"
+        msg = self.diagnose_p2p(g, code, peer, tag, desc, waited, early=early)
+        self._report(msg, early, [peer])
+
+    def diagnose_p2p(self, g, code, peer, tag, desc, waited, limit=None, early=False):
+        """The report of a send or recv: where its peer (world rank ``peer``) is."""
+        limit = self.timeout if limit is None else limit
+        p = self.progress
+        me = p.wrank
+        st = p.read_peers([peer]).get(peer)
+        other = "send" if code == RECV else "recv"
+        to = f"from rank {peer}" if code == RECV else f"to rank {peer}"
+        gr = g.ranks.index(peer) if peer in g.ranks else None
+        where = f"rank {peer}" if g is self.world or gr is None else f"rank {peer} (rank {gr} of the group)"
+        self.lagging = []
+        if st is None:
+            line = f"state unknown (no answer within {READ_WAIT:g} s: the process may have died)"
+            part = f"rank {peer} did not answer"
+        elif st[EXITED]:
+            line = f"has left its script ({_how(st)}) without a matching {other}"
+            part = f"rank {peer} has left the script ({_how(st)}) without the matching {other}"
+        else:
+            pw = int(st[P2P])
+            if pw:
+                pcode, ppeer = p2p_fields(pw)
+                ptag, pgh = int(st[P2P_TAG]), int(st[P2P_GH])
+                pname = p.names.get(pgh, f"#{pgh}")
+                pto = f"from rank {ppeer}" if pcode == RECV else f"to rank {ppeer}"
+                if ppeer == me and pcode != code and pgh == ghash(g.name):
+                    if ptag != tag:
+                        line = f"in {NAMES.get(pcode, '?')} {pto} with tag {ptag}, not {tag}"
+                        part = f"rank {peer} is in the matching {other} with another tag: the tags differ"
+                    else:
+                        line = f"in the matching {other} {pto} (tag {ptag})"
+                        part = (f"rank {peer} is in the matching {other}: it is stuck in the transport "
+                                "(network, or the two disagree on the size or dtype)")
+                else:
+                    line = f"in {NAMES.get(pcode, '?')} {pto} (tag {ptag}) on group {pname!r}, not {other} to rank {me}"
+                    part = f"rank {peer} is in another send or recv, not the matching {other}"
+                    self.lagging = [peer]
+            else:
+                line = "not in a send or recv; " + _now_at(st, p.names)
+                part = f"rank {peer} has not reached the matching {other}"
+                self.lagging = [peer]
+        what = f"{NAMES.get(code, '?')} {to} (tag {tag}, {desc}) on group {g.name!r}"
+        if early:
+            head = f"rank {me}: {what} cannot complete (waited {waited:.1f} s). "
+        else:
+            head = f"rank {me}: {what} did not complete within {limit:g} s (waited {waited:.1f} s). "
+        tail = f"  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)"
+        return head + part[0].upper() + part[1:] + ":\n" + f"  {where}: {line}\n" + tail
 
     # ------------------------------------------------------------ diagnosis
     def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None, early=False):
@@ -167,7 +287,7 @@ class Watchdog:
         p = self.progress
         states = p.read_peers(list(g.ranks))
         nowms = int(time.time() * 1000)
-        missing, lines, other, raised, exited = [], [], [], [], []
+        missing, lines, other, raised, exited, how = [], [], [], [], [], []
         for gr, wr in enumerate(g.ranks):
             if wr == p.wrank:
                 continue
@@ -187,8 +307,9 @@ class Watchdog:
                 missing.append(wr)
                 last = (f"its last call was {NAMES.get(word & 15, '?')} sequence {entered}" if mine
                         else f"it made no call on group {g.name!r}")
-                lines.append(f"  {where}: has left its script (it exited or returned) without reaching this "
+                lines.append(f"  {where}: has left its script ({_how(st)}) without reaching this "
                              f"call; {last}")
+                how.append(_how(st))
                 continue
             if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
                 raised.append(wr)
@@ -236,8 +357,9 @@ class Watchdog:
 
         rest = [r for r in missing if r not in raised and r not in exited]
         parts = []
+        self.lagging = rest + other
         if exited:
-            parts.append(ranks(exited, "has", "have") + " left the script (exited or returned) without "
+            parts.append(ranks(exited, "has", "have") + f" left the script ({', '.join(how)}) without "
                          "reaching this call")
         if other:
             parts.append(ranks(other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
@@ -260,7 +382,11 @@ class Watchdog:
         """The error Work.wait raises when an async collective has not completed in time."""
         name, shape, dtype = what[:3]
         desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {dtype}"
-        if len(what) >= 5:
+        if len(what) >= 5 and isinstance(what[4], tuple):   # a send or recv: ("p2p", code, peer, tag)
+            _, code, peer, tag = what[4]
+            with self._lock:
+                msg = self.diagnose_p2p(what[3], code, peer, tag, desc, timeout, limit=timeout)
+        elif len(what) >= 5:
             g, seq = what[3], what[4]
             with self._lock:
                 msg = self.diagnose(g, seq, name, desc, timeout, limit=timeout)
@@ -278,3 +404,32 @@ class Watchdog:
         if f is None or not f.size:
             return ""
         return f.report_line(reason, rank_prefix())
+
+
+def _desc(shape, dtype):
+    return f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
+
+
+def _how(st):
+    """How a rank left, from its window: its exit status where known."""
+    x = int(st[XSTATUS])
+    if x:
+        return f"exit status {x - 1}"
+    return "it returned, or exited without sys.exit: status unknown"
+
+
+def _now_at(st, names):
+    """Where a rank is in its collectives, from its window: its group rows."""
+    rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
+    inside = [r for r in rows if r[ENTERED] != r[DONE] and r[GHASH]]
+    if inside:
+        r = inside[0]
+        gname = names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
+        return f"inside {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {int(r[ENTERED]) >> 4} on group {gname!r}"
+    done = [r for r in rows if r[GHASH] and r[ENTERED]]
+    if done:
+        r = max(done, key=lambda r: int(r[TDONE]))
+        gname = names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
+        return (f"not in a collective (last: {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence "
+                f"{int(r[ENTERED]) >> 4} on group {gname!r})")
+    return "not in a collective"
