@@ -5,6 +5,8 @@ GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 """
 from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
                           all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
+from ._collectives import (AllGatherV, P2POp, ReduceScatterV, batch, batch_isend_irecv, gather, scatter,
+                           sendrecv)
 from ._backends.base import Work
 from ._objects import (all_gather_object, broadcast_object, gather_object, recv_object, scatter_object,
                        send_object)
@@ -46,6 +48,7 @@ __all__ = [
     "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
     "send", "recv", "barrier", "dump_flight_record",
+    "gather", "scatter", "sendrecv", "batch", "P2POp", "batch_isend_irecv", "AllGatherV", "ReduceScatterV",
     "all_gather_object", "broadcast_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "MpicommError", "NotInitializedError", "BackendUnavailableError", "InvalidArgumentError",

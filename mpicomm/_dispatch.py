@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
-from ._ops import BARRIER, COLLECTIVES, NAMES
+from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
-from .errors import CommunicationError
+from .errors import CommunicationError, invalid
 
 _now = time.perf_counter_ns
 
@@ -31,7 +31,7 @@ _now = time.perf_counter_ns
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
-    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask")
+    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask", "batch")
 
     def __init__(self, group, transport, mem, row, on_timeout=None):
         self.group = group
@@ -43,6 +43,7 @@ class Dispatcher:
         self.on_timeout = on_timeout   # builds a Work's timeout error, with the peers' state
         self.fr = new_ring()           # the flight recorder's ring (a power of two long), or None
         self.fmask = len(self.fr) - 1 if self.fr is not None else 0
+        self.batch = None              # the Works of an open mpicomm.batch() block, or None
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -62,7 +63,8 @@ class Dispatcher:
             if p is None:
                 # the entry stays the call in progress (the watchdog describes it); only
                 # a reusable one (cls not None) is ever matched again
-                p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream)
+                p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
+                    if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
             fr = self.fr
             if fr is not None:
                 fr[seq & self.fmask] = (seq, code, p, _now())
@@ -112,8 +114,49 @@ class Dispatcher:
         m[b + 1] = v
         return r
 
-    def point_to_point(self, code, x, peer, tag, async_op, stream):
+    def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
         """send / recv: not numbered (only the two ranks take part), never reused."""
         if _DROPPED:
             complete_dropped()
-        return self.transport.point_to_point(code, x, peer, tag, async_op, stream)
+        return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+
+    def plain(self):
+        """The transport without debug mode's wrapper. Calls with per-rank sizes (a Sized arg)
+        are prepared by it: their shapes differ between ranks by design, and their signature
+        is compared by the size exchange (mpicomm._collectives) instead."""
+        t = self.transport
+        return getattr(t, "inner", t)
+
+    # ----------------------------------------------------------- mpicomm.batch()
+    def batch_begin(self):
+        """Open a batch: the group's calls start now and complete together at batch_end
+        (one NCCL group; nonblocking MPI requests)."""
+        if self.batch is not None:
+            raise invalid("batch", f"a batch inside an open batch of group {self.group.name!r}",
+                          "one mpicomm.batch() block per group at a time (batches do not nest)")
+        self.batch = []
+        self.plain().batch_begin()
+        self.group.call = self.batch_call
+
+    def batch_call(self, code, x, out, arg, async_op, stream):
+        """A collective inside a batch: started as async_op=True, its Work kept for batch_end."""
+        r = self.call(code, x, out, arg, True, stream)
+        self.batch.append(r)
+        return r
+
+    def batch_p2p(self, code, x, peer, tag, stream, recv=None):
+        """A send / recv / sendrecv inside a batch (nonblocking; a send to oneself allowed)."""
+        r = self.point_to_point(code, x, peer, tag, True, stream, recv)
+        self.batch.append(r)
+        return r
+
+    def batch_end(self, wait=True):
+        """Launch the batch (NCCL's groupEnd) and complete its calls; returns their Works."""
+        works, self.batch = self.batch, None
+        self.group.call = self.call
+        self.plain().batch_end()
+        if wait:
+            for w in works:
+                if w is not None and hasattr(w, "wait"):
+                    w.wait()
+        return works

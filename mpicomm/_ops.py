@@ -81,8 +81,29 @@ def check_op_dtype(op, row):
 
 # The collective codes (4 bits in the progress records).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-               "barrier", "send", "recv", "create_group", "destroy_group")
+               "barrier", "send", "recv", "create_group", "destroy_group", "gather", "scatter", "sendrecv")
 (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, ALL_TO_ALL, BARRIER, SEND, RECV,
- CREATE_GROUP, DESTROY_GROUP) = range(1, len(COLLECTIVES) + 1)
+ CREATE_GROUP, DESTROY_GROUP, GATHER, SCATTER, SENDRECV) = range(1, len(COLLECTIVES) + 1)
 assert len(COLLECTIVES) < 16
 NAMES = dict(enumerate(COLLECTIVES, 1))
+
+
+class Sized(tuple):
+    """The ``arg`` of a call with per-rank sizes: ``(base, sizes, out_sizes)``.
+
+    ``base`` is what the even call takes (the op, the root, or None); ``sizes`` the axis-0
+    length of each rank's part (None: even parts), ``out_sizes`` all_to_all's received
+    split sizes (None elsewhere). Compared by value, so a repeated call with the same
+    sizes reuses its prepared call. ``value`` is the op's name, for the flight recorder.
+    """
+
+    __slots__ = ()
+
+    @property
+    def base(self):
+        return self[0]
+
+    @property
+    def value(self):
+        b = self[0]
+        return getattr(b, "value", b)

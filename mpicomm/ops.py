@@ -4,9 +4,12 @@
 ``ops.AllGather(group)(x)``, ``ops.ReduceScatter(op, group)(x)``,
 ``ops.Broadcast(root, group)((x,))`` and ``ops.AlltoAll(group)(x)`` run the collectives of
 :mod:`mpicomm` (``mpicomm.all_reduce`` and the others). MindSpore's ``AlltoAll`` takes
-``split_count, split_dim, concat_dim``; mpicomm's splits and concatenates along axis 0.
+``split_count, split_dim, concat_dim`` as MindSpore's does (``AlltoAll(group)`` alone splits and
+joins axis 0); ``ops.AllGatherV(group)(x, output_split_sizes)`` and
+``ops.ReduceScatterV(op, group)(x, input_split_sizes)`` take per-rank sizes.
 """
-from ._collectives import AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter
+from ._collectives import AllGather, AllGatherV, AllReduce, AlltoAll, Broadcast, ReduceScatter, ReduceScatterV
 from ._ops import ReduceOp
 
-__all__ = ["AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll", "ReduceOp"]
+__all__ = ["AllReduce", "AllGather", "AllGatherV", "ReduceScatter", "ReduceScatterV", "Broadcast", "AlltoAll",
+           "ReduceOp"]

@@ -13,8 +13,8 @@ from mpi4py import MPI
 
 from .._arrays import check_out, check_writable, host_out, overlap_error, same_memory, to_host, write_back
 from .._dtypes import of_numpy
-from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE, REDUCE_SCATTER, RECV, ReduceOp,
-                    check_op_dtype, mpi_ops)
+from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER, RECV,
+                    SCATTER, SENDRECV, ReduceOp, check_op_dtype, mpi_ops)
 from ..errors import invalid
 from . import bigcount
 from .base import Backend, DoneWork, Prepared, Work
@@ -551,8 +551,305 @@ class MPITransport:
         self.comm.Alltoall([a, dt], [o, dt])
         return o
 
+    # ----------------------------------------------------------- per-rank sizes, gather, scatter
+    # Calls whose arg is a Sized (base, sizes, out_sizes): the front (mpicomm._collectives) has
+    # checked the sizes (a tuple of non-negative ints, one per rank) or exchanged them.
+    _SIZED = {ALL_GATHER: "_prepare_all_gather_v", ALL_TO_ALL: "_prepare_all_to_all_v",
+              REDUCE_SCATTER: "_prepare_reduce_scatter_v", GATHER: "_prepare_gather",
+              SCATTER: "_prepare_scatter"}
+
+    def prepare_sized(self, code, x, out, arg, async_op, stream):
+        return getattr(self, self._SIZED[code])(x, out, arg, async_op, stream)
+
+    @staticmethod
+    def _layout(sizes, trail, what):
+        """(counts, displacements, total) in elements of parts of ``sizes`` rows of ``trail``."""
+        t = 1
+        for d in trail:
+            t *= int(d)
+        counts = [s * t for s in sizes]
+        displs, acc = [], 0
+        for c in counts:
+            displs.append(acc)
+            acc += c
+        if acc > MAX_COUNT:
+            raise invalid("sizes", f"{acc} elements in all", f"at most {MAX_COUNT} elements ({what} with "
+                          "per-rank sizes does not go in pieces; split the call)")
+        return counts, displs, acc
+
+    def _slot_v(self, counts, displs, itemsize):
+        """slot(o, x): x is exactly this rank's part of o (the in-place form of the v calls)."""
+        r = self.rank
+
+        def slot(o, x):
+            return x.nbytes == counts[r] * itemsize and _addr(x) == _addr(o) + displs[r] * itemsize
+        return slot
+
+    def _axis0(self, xh, what, arg="x.shape"):
+        if xh.ndim == 0:
+            raise invalid(arg, (), f"an array with an axis 0 ({what} splits or joins along it)")
+
+    def _finish_v(self, blocking, nonblocking, async_op, o, fin, keep, what, role, out):
+        post = (lambda: fin(o)) if fin is not None else None
+        res = self._start(blocking, nonblocking, async_op, o, post, keep, what)
+        return out if role == 2 and fin is None and not async_op else res
+
+    def _prepare_all_gather_v(self, x, out, arg, async_op, stream):
+        sizes = arg[1]
+        xh, _ = _host(x)
+        self._axis0(xh, "all_gather")
+        row = of_numpy(xh.dtype)
+        comm, rank, dt, dtype = self.comm, self.rank, row.mpi, xh.dtype
+        if xh.shape[0] != sizes[rank]:
+            raise invalid("x.shape", xh.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+        trail = xh.shape[1:]
+        counts, displs, total = self._layout(sizes, trail, "all_gather")
+        oshape = (sum(sizes),) + trail
+        slot = self._slot_v(counts, displs, dtype.itemsize)
+        self._check_role(x, out, xh, oshape, "all_gather gives axis 0 the sum of sizes", slot)
+        role = 0 if out is None else (1 if out is x else 2)
+        what = ("all_gather", xh.shape, dtype)
+
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+            sb = MPI.IN_PLACE if part else [xh, dt]
+            rb = [o, (counts, displs), dt]
+            return self._finish_v(lambda: comm.Allgatherv(sb, rb), lambda: comm.Iallgatherv(sb, rb), async_op,
+                                  o, fin, (xh, o), what, role, out)
+
+        return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
+
+    def _prepare_all_to_all_v(self, x, out, arg, async_op, stream):
+        _, ins, outs = arg
+        xh, _ = _host(x)
+        self._axis0(xh, "all_to_all")
+        row = of_numpy(xh.dtype)
+        n, comm, dt, dtype = self.size, self.comm, row.mpi, xh.dtype
+        d0, trail = xh.shape[0], xh.shape[1:]
+        if ins is None:
+            if d0 % n:
+                raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n}, or in_splits")
+            ins = (d0 // n,) * n
+        elif sum(ins) != d0:
+            raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {self.rank})")
+        if outs is None:   # the output split evenly: out='s axis 0, else x's
+            o0 = d0 if out is None or out is x else int(getattr(out, "shape", (d0,))[0] if getattr(out, "shape", ()) else d0)
+            if o0 % n:
+                raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
+                              "or out_splits (a list, or 'auto')")
+            outs = (o0 // n,) * n
+        sc, sd, _ = self._layout(ins, trail, "all_to_all")
+        rc, rd, _ = self._layout(outs, trail, "all_to_all")
+        oshape = (sum(outs),) + trail
+        self._check_role(x, out, xh, oshape, "all_to_all gives axis 0 the sum of out_splits")
+        role = 0 if out is None else (1 if out is x else 2)
+        what = ("all_to_all", xh.shape, dtype)
+
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype)
+            if o is xh:   # in place: MPI's send and receive buffers must differ
+                xh = xh.copy()
+            sb, rb = [xh, (sc, sd), dt], [o, (rc, rd), dt]
+            return self._finish_v(lambda: comm.Alltoallv(sb, rb), lambda: comm.Ialltoallv(sb, rb), async_op,
+                                  o, fin, (xh, o), what, role, out)
+
+        return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run)
+
+    def _prepare_reduce_scatter_v(self, x, out, arg, async_op, stream):
+        op, sizes, _ = arg
+        xh, _ = _host(x)
+        self._axis0(xh, "reduce_scatter")
+        row = of_numpy(xh.dtype)
+        check_op_dtype(op, row)
+        n, rank, comm, dt, dtype, mop = self.size, self.rank, self.comm, row.mpi, xh.dtype, self._mop[op]
+        if sum(sizes) != xh.shape[0]:
+            raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {xh.shape[0]} "
+                          "(reduce_scatter gives rank i sizes[i] rows of the reduced x)")
+        trail = xh.shape[1:]
+        counts, displs, _ = self._layout(sizes, trail, "reduce_scatter")
+        oshape = (sizes[rank],) + trail
+        itemsize = dtype.itemsize
+
+        def slot(o, x):   # out is exactly this rank's part of x
+            return o.nbytes == counts[rank] * itemsize and _addr(o) == _addr(x) + displs[rank] * itemsize
+        self._check_role(x, out, xh, oshape, "reduce_scatter gives rank i sizes[i] rows", slot)
+        role = 0 if out is None else (1 if out is x else 2)
+        avg, upcast = op is _AVG, row.upcast
+        what = ("reduce_scatter", xh.shape, dtype)
+
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            if upcast:
+                t, r = xh.astype(_F32), np.empty(oshape, _F32)
+                sb, rb = [t, MPI.FLOAT], [r, MPI.FLOAT]
+            else:
+                t = None
+                r = np.empty(oshape, dtype) if np.may_share_memory(o, xh) else o
+                sb, rb = [xh, dt], [r, dt]
+            if avg or r is not o or fin is not None:
+                def post():
+                    if avg:
+                        np.divide(r, n, out=r)
+                    if r is not o:
+                        o[...] = r
+                    return fin(o) if fin is not None else None
+            else:
+                post = None
+            res = self._start(lambda: comm.Reduce_scatter(sb, rb, counts, mop),
+                              lambda: comm.Ireduce_scatter(sb, rb, counts, mop), async_op, o, post,
+                              (xh, o, t, r), what)
+            return out if role == 2 and fin is None and not async_op else res
+
+        return Prepared(REDUCE_SCATTER, x, out, arg, async_op, stream, run)
+
+    def _prepare_gather(self, x, out, arg, async_op, stream):
+        root, sizes, _ = arg
+        root = self._root(root)
+        xh, _ = _host(x)
+        row = of_numpy(xh.dtype)
+        n, rank, comm, dt, dtype = self.size, self.rank, self.comm, row.mpi, xh.dtype
+        is_root = rank == root
+        if sizes is None:
+            even = True
+            sizes = (xh.shape[0] if xh.ndim else 1,) * n
+        else:
+            even = False
+            self._axis0(xh, "gather")
+            if xh.shape[0] != sizes[rank]:
+                raise invalid("x.shape", xh.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+        trail = xh.shape[1:]
+        counts, displs, _ = self._layout(sizes, trail, "gather")
+        oshape = (sum(sizes),) + trail
+        slot = self._slot_v(counts, displs, dtype.itemsize)
+        if is_root:
+            self._check_role(x, out, xh, oshape, "gather gives the root axis 0 of all ranks' parts", slot)
+        role = 0 if out is None else (1 if out is x else 2)
+        what = ("gather", xh.shape, dtype)
+
+        def run(x, out):
+            if not is_root:
+                xh, _ = _host(x)
+                sb = [xh, dt]
+                return self._start(lambda: comm.Gather(sb, None, root) if even else comm.Gatherv(sb, None, root),
+                                   lambda: comm.Igather(sb, None, root) if even else comm.Igatherv(sb, None, root),
+                                   async_op, None, None, (xh,), what)
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+            sb = MPI.IN_PLACE if part else [xh, dt]
+            if even:
+                rb = [o, dt]
+                blocking, nonblocking = (lambda: comm.Gather(sb, rb, root)), (lambda: comm.Igather(sb, rb, root))
+            else:
+                rb = [o, (counts, displs), dt]
+                blocking, nonblocking = (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
+            return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
+
+        return Prepared(GATHER, x, out, arg, async_op, stream, run)
+
+    def _prepare_scatter(self, x, out, arg, async_op, stream):
+        root, sizes, _ = arg
+        root = self._root(root)
+        n, rank, comm = self.size, self.rank, self.comm
+        is_root = rank == root
+        if not is_root:   # the front made sure there is an out= (given, or made from the root's facts)
+            h, _ = to_host(out, "out")
+            o, wb = host_out(out, h.shape, h.dtype, None, "out")
+            self._axis0(o, "scatter", "out.shape")
+            if sizes is not None and o.shape[0] != sizes[rank]:
+                raise invalid("out.shape", o.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+            dt, oshape, odtype = of_numpy(o.dtype, "out").mpi, o.shape, o.dtype
+            what = ("scatter", oshape, odtype)
+            even = sizes is None
+
+            def run(x, out):
+                o, wb = host_out(out, oshape, odtype, None, "out")
+                rb = [o, dt]
+                post = (lambda: wb(o)) if wb is not None else None
+                res = self._start(lambda: comm.Scatter(None, rb, root) if even else comm.Scatterv(None, rb, root),
+                                  lambda: comm.Iscatter(None, rb, root) if even else comm.Iscatterv(None, rb, root),
+                                  async_op, out, post, (o,), what)
+                return res
+            return Prepared(SCATTER, x, out, arg, async_op, stream, run, reuse=False)
+        xh, _ = _host(x)
+        self._axis0(xh, "scatter")
+        row = of_numpy(xh.dtype)
+        dt, dtype, d0, trail = row.mpi, xh.dtype, xh.shape[0], xh.shape[1:]
+        even = sizes is None
+        if even:
+            if d0 % n:
+                raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n} on the root, "
+                              "or sizes (scatter gives rank i part i of axis 0)")
+            sizes = (d0 // n,) * n
+        elif sum(sizes) != d0:
+            raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {d0}")
+        counts, displs, _ = self._layout(sizes, trail, "scatter")
+        oshape = (sizes[rank],) + trail
+        itemsize = dtype.itemsize
+
+        def slot(o, x):   # out is exactly the root's part of x
+            return o.nbytes == counts[rank] * itemsize and _addr(o) == _addr(x) + displs[rank] * itemsize
+        self._check_role(x, out, xh, oshape, "scatter gives each rank its part of axis 0", slot)
+        role = 0 if out is None else (1 if out is x else 2)
+        what = ("scatter", xh.shape, dtype)
+
+        def run(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+            rb = MPI.IN_PLACE if part else [o, dt]
+            if even:
+                sb = [xh, dt]
+                blocking, nonblocking = (lambda: comm.Scatter(sb, rb, root)), (lambda: comm.Iscatter(sb, rb, root))
+            else:
+                sb = [xh, (counts, displs), dt]
+                blocking, nonblocking = (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
+            return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
+
+        return Prepared(SCATTER, x, out, arg, async_op, stream, run)
+
+    def sendrecv(self, x, dst, tag, async_op, out, src):
+        """Send ``x`` to ``dst`` and receive ``out`` from ``src`` at once (MPI_Sendrecv): no
+        ordering of the two can deadlock; a rank may exchange with itself."""
+        dst = self._root(dst, "dst")
+        src = self._root(src, "src")
+        if type(tag) is not int or tag < 0:
+            raise invalid("tag", tag, "a non-negative int")
+        comm = self.comm
+        h, back = to_host(x)
+        if out is None:
+            o, wb, res = np.empty(h.shape, h.dtype), None, None
+        else:
+            oh, _ = to_host(out, "out")
+            o, wb = host_out(out, oh.shape, oh.dtype, None, "out")
+            res = out
+            if np.may_share_memory(o, h):   # MPI's buffers must differ: send a copy
+                h = h.copy()
+        sb, rb = [h, of_numpy(h.dtype).mpi], [o, of_numpy(o.dtype, "out").mpi]
+
+        def post():
+            if wb is not None:
+                wb(o)
+            if res is None:
+                return back(o) if back is not None else o
+            return None
+        what = ("sendrecv", h.shape, h.dtype)
+        if async_op:
+            return MPIWork([comm.Isend(sb, dst, tag), comm.Irecv(rb, src, tag)], res if res is not None else o,
+                           what, post, (h, o))
+        comm.Sendrecv(sb, dst, tag, rb, src, tag)
+        r = post()
+        return r if r is not None else res
+
+    def batch_begin(self):
+        """Calls of an mpicomm.batch() are nonblocking requests, completed at its end."""
+
+    def batch_end(self):
+        pass
+
     # ----------------------------------------------------------- point to point, barrier
-    def point_to_point(self, code, x, peer, tag, async_op, stream):
+    def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
+        if code == SENDRECV:
+            return self.sendrecv(x, peer, tag, async_op, *recv)
         arg = "src" if code == RECV else "dst"
         peer = self._root(peer, arg)
         if peer == self.rank and not async_op:

@@ -540,7 +540,7 @@ class NCCLTransport:
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
     # ----------------------------------------------------------- point to point, barrier
-    def point_to_point(self, code, x, peer, tag, async_op, stream):
+    def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
         if not is_gpu_array(x):
             return self.host.point_to_point(code, x, peer, tag, async_op, stream)
         arg = "src" if code == RECV else "dst"
