@@ -30,6 +30,25 @@ def _flag(name, v):
     return v
 
 
+def _same_model_everywhere(module, group):
+    """Raise on every rank alike when the ranks' models differ (before any broadcast, which
+    would fail or hang on buffers of different sizes)."""
+    def sig(kind, items):
+        return [(kind, n, tuple(t.shape), str(t.dtype), bool(getattr(t, "requires_grad", False)))
+                for n, t in items]
+
+    mine = sig("parameter", module.named_parameters()) + sig("buffer", module.named_buffers())
+    allv = get_group(group).mpi_comm.allgather(mine)
+    for r, other in enumerate(allv):
+        if other != allv[0]:
+            diff = next((a, b) for a, b in zip(allv[0] + [None] * len(other), other + [None] * len(allv[0]))
+                        if a != b)
+            raise invalid("module", f"a model whose {diff[1][0] + ' ' + diff[1][1] if diff[1] else 'end'} "
+                          f"is {diff[1][2:4] if diff[1] else 'missing'} on rank {r}",
+                          f"the same model on every rank (rank 0 has "
+                          f"{diff[0][0] + ' ' + diff[0][1] + ' ' + str(diff[0][2:4]) if diff[0] else 'nothing more'})")
+
+
 class _BufferSync:
     """Rank 0's buffers (batch-norm statistics) to every rank: one broadcast per
     (dtype, device), through flat buffers allocated once."""
@@ -110,6 +129,7 @@ class DistributedDataParallel(nn.Module):
             if p.is_sparse:
                 raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
         self._bufs = [b for b in module.buffers()]
+        _same_model_everywhere(module, group)
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
             if every:

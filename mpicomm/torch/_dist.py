@@ -80,7 +80,7 @@ def init_process_group(backend=None, *, timeout=None, set_device=True, **kwargs)
     store = err = None
     if rank == 0:
         try:  # the store binds the port itself: no window between choosing a port and using it
-            store = dist.TCPStore(addr if addr != "127.0.0.1" else "127.0.0.1", want_port, size, True,
+            store = dist.TCPStore(addr, want_port, size, True, wait_for_workers=False,
                                   **({"timeout": timeout} if timeout else {}))
             port = store.port
         except Exception as e:  # noqa: BLE001 - told to every rank below
