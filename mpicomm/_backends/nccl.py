@@ -13,8 +13,8 @@ import time
 
 from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
-from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, NAMES, RECV, REDUCE, REDUCE_SCATTER,
-                    check_op_dtype, nccl_ops)
+from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
+                    SENDRECV, check_op_dtype, nccl_ops)
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import Backend, Prepared, Work
@@ -539,10 +539,245 @@ class NCCLTransport:
 
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
+    # ----------------------------------------------------------- per-rank sizes, gather, scatter
+    # Calls whose arg is a Sized (base, sizes, out_sizes): grouped NCCL send/recv (one
+    # ncclGroupStart/End), and for reduce_scatter one ncclReduce per rank in the group.
+    _batch = None      # inside mpicomm.batch(): the (event, stream) of each Work, recorded at its end
+
+    def prepare_sized(self, code, x, out, arg, async_op, stream):
+        probe = x if x is not None else out
+        if probe.__class__ is not self.cupy.ndarray and not is_gpu_array(probe):
+            return self.host.prepare_sized(code, x, out, arg, async_op, stream)
+        return self._prepare_v(code, x, out, arg, async_op, stream)
+
+    def _prepare_v(self, code, x, out, arg, async_op, stream):
+        n, rank = self.size, self.rank
+        base, sizes, outs = arg
+        name = NAMES[code]
+        kind, row, a = self._family(x if x is not None else out, "x" if x is not None else "out")
+        shape, dtype = tuple(a.shape), a.dtype
+        isz = dtype.itemsize if kind != "torch" else a.element_size()
+        scale, nt = row.nccl_scale, row.nccl
+        if not shape and not (code == GATHER and sizes is None):
+            raise invalid("x.shape", (), f"an array with an axis 0 ({name} splits or joins along it)")
+        trail = shape[1:]
+        t = _prod(trail)
+
+        def offsets(sz):
+            r, acc = [], 0
+            for s in sz:
+                r.append(acc)
+                acc += s
+            return r
+
+        sends, recvs, reduces = [], [], []   # (peer, offset in elements, elements)
+        nop = None
+        is_root = True
+        if code == ALL_GATHER:
+            if shape[0] != sizes[rank]:
+                raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+            offs = offsets(sizes)
+            oshape = (sum(sizes),) + trail
+            sends = [(j, 0, sizes[rank] * t) for j in range(n)]
+            recvs = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
+        elif code == ALL_TO_ALL:
+            ins, outs_ = sizes, outs
+            if ins is None:
+                if shape[0] % n:
+                    raise invalid("x.shape", shape, f"a first axis divisible by the group size {n}, or in_splits")
+                ins = (shape[0] // n,) * n
+            elif sum(ins) != shape[0]:
+                raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {shape[0]} (on rank {rank})")
+            if outs_ is None:
+                o0 = shape[0] if out is None or out is x else int(out.shape[0])
+                if o0 % n:
+                    raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
+                                  "or out_splits (a list, or 'auto')")
+                outs_ = (o0 // n,) * n
+            so, ro = offsets(ins), offsets(outs_)
+            oshape = (sum(outs_),) + trail
+            sends = [(j, so[j] * t, ins[j] * t) for j in range(n)]
+            recvs = [(j, ro[j] * t, outs_[j] * t) for j in range(n)]
+        elif code == REDUCE_SCATTER:
+            check_op_dtype(base, row)
+            nop = self._nop[base]
+            if sum(sizes) != shape[0]:
+                raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {shape[0]}")
+            offs = offsets(sizes)
+            oshape = (sizes[rank],) + trail
+            reduces = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
+        elif code == GATHER:
+            root = self.host._root(base)
+            is_root = rank == root
+            if sizes is None:
+                sizes = ((shape[0] if shape else 1),) * n
+            elif shape[0] != sizes[rank]:
+                raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+            offs = offsets(sizes)
+            oshape = (sum(sizes),) + trail
+            sends = [(root, 0, sizes[rank] * t)]
+            recvs = [(j, offs[j] * t, sizes[j] * t) for j in range(n)] if is_root else []
+        else:   # SCATTER
+            root = self.host._root(base)
+            if rank == root:
+                if sizes is None:
+                    if shape[0] % n:
+                        raise invalid("x.shape", shape, f"a first axis divisible by the group size {n} on the root, "
+                                      "or sizes")
+                    sizes = (shape[0] // n,) * n
+                elif sum(sizes) != shape[0]:
+                    raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {shape[0]}")
+                offs = offsets(sizes)
+                sends = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
+                oshape = (sizes[rank],) + trail
+            else:
+                if sizes is not None and shape[0] != sizes[rank]:
+                    raise invalid("out.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+                oshape = shape
+            recvs = [(root, 0, _prod(oshape))]
+        role = 0 if out is None else (1 if out is x else 2)
+        bind = self._binder(kind)
+        empty = self._empty(kind, a, oshape) if is_root else None
+        cur = self._streamer(stream, kind)
+        what = (name, shape, dtype)
+        transport, nccl = self, self.nccl
+        toshape = tuple(oshape)
+        ptr = (lambda o: o.data_ptr()) if kind == "torch" else (lambda o: o.data.ptr)
+        if role == 1 and toshape != shape:
+            raise invalid("out", "x (in place)", f"an array of shape {toshape}: {name} gives that shape")
+
+        def out_of(x, xa, xp, out):
+            if out is None:
+                o = empty()
+                return o, ptr(o), o
+            if out is x:
+                return xa, xp, x
+            if not is_gpu_array(out):
+                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+            o, p = bind(out, "out")
+            if o is not out:
+                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+            if tuple(o.shape) != toshape:
+                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
+            if o.dtype != dtype:
+                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+            return o, p, out
+
+        def run(x, out):
+            if x is not None:
+                xa, xp = bind(x)
+            else:
+                xa, xp = None, 0
+            if is_root:
+                o, op_, res = out_of(x, xa, xp, out)
+                onb = _prod(toshape) * isz
+                xnb = _prod(shape) * isz if x is not None else 0
+                if x is not None and _overlap(op_, onb, xp, xnb) or (op_ == xp and x is not None and sends):
+                    # out shares memory with x (in place, or x a part of out): NCCL needs distinct
+                    # send and receive buffers, so send from a copy
+                    xa = xa.clone() if kind == "torch" else xa.copy()
+                    xp = ptr(xa)
+            else:
+                o, op_, res = None, 0, None
+            p, st = cur()
+            c = transport.comm
+            nccl.groupStart()
+            try:
+                for j, off, cnt in sends:
+                    if cnt:
+                        c.send(xp + off * isz, cnt * scale, nt, j, p)
+                for j, off, cnt in recvs:
+                    if cnt:
+                        c.recv(op_ + off * isz, cnt * scale, nt, j, p)
+                for j, off, cnt in reduces:
+                    if cnt:
+                        c.reduce(xp + off * isz, op_, cnt * scale, nt, nop, j, p)
+            finally:
+                nccl.groupEnd()
+            if st is not None:
+                transport.last_stream, transport.last_what = st, what
+            if async_op:
+                return transport._work(p, res, (xa, o), what)
+            return res
+
+        return Prepared(code, x, out, arg, async_op, stream, run, reuse=x is not None)
+
+    def sendrecv(self, x, dst, tag, async_op, stream, out, src):
+        """Send ``x`` to ``dst`` and receive from ``src`` as one NCCL group (cannot deadlock)."""
+        dst = self.host._root(dst, "dst")
+        src = self.host._root(src, "src")
+        if tag != 0:
+            raise invalid("tag", tag, "0 for GPU arrays on the NCCL backend (NCCL has no tags: it matches "
+                          "sends and receives between two ranks in the order they are issued)")
+        kind, row, a = self._family(x)
+        bind = self._binder(kind)
+        xa, xp = bind(x)
+        if out is None:
+            o = self._empty(kind, a, tuple(a.shape))()
+            res = o
+        else:
+            okind, orow, _ = self._family(out, "out")
+            o, _ = self._binder(okind)(out, "out")
+            if o is not out:
+                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+            res = out
+            row_o = orow
+        op_ = o.data_ptr() if kind == "torch" else o.data.ptr
+        if op_ == xp:   # the same buffer: send a copy
+            xa = xa.clone() if kind == "torch" else xa.copy()
+            xp = xa.data_ptr() if kind == "torch" else xa.data.ptr
+        p, st = self._streamer(stream, kind)()
+        scount = (int(xa.size) if kind != "torch" else xa.numel()) * row.nccl_scale
+        ro = row if out is None else row_o
+        rcount = (int(o.size) if not is_torch(o) else o.numel()) * ro.nccl_scale
+        c = self.comm
+        self.nccl.groupStart()
+        try:
+            c.send(xp, scount, row.nccl, dst, p)
+            c.recv(op_, rcount, ro.nccl, src, p)
+        finally:
+            self.nccl.groupEnd()
+        what = ("sendrecv", tuple(xa.shape), xa.dtype)
+        if st is not None:
+            self.last_stream, self.last_what = st, what
+        return self._work(p, res, (xa, o), what) if async_op else res
+
+    def batch_begin(self):
+        """mpicomm.batch(): the GPU calls until batch_end are one NCCL group; host arrays take
+        the MPI transport's batch."""
+        self.host.batch_begin()
+        self.nccl.groupStart()
+        self._batch = []
+        self._work = self._batch_work   # the Works' events are recorded after groupEnd
+
+    def _batch_work(self, p, result, keep, what):
+        w = NCCLTransport._work(self, p, result, keep, what)
+        self._batch.append((w._event, p))
+        return w
+
+    def batch_end(self):
+        evs, self._batch = self._batch, None
+        del self._work
+        try:
+            self.nccl.groupEnd()
+        finally:
+            self.host.batch_end()
+        for ev, p in evs:   # after the launch: the events now follow the group's work
+            self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
+
     # ----------------------------------------------------------- point to point, barrier
     def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
         if not is_gpu_array(x):
-            return self.host.point_to_point(code, x, peer, tag, async_op, stream)
+            return self.host.point_to_point(code, x, peer, tag, async_op, stream, recv)
+        if code == SENDRECV:
+            return self.sendrecv(x, peer, tag, async_op, stream, *recv)
+        if tag != 0:
+            raise invalid("tag", tag, "0 for GPU arrays on the NCCL backend (NCCL has no tags: it matches "
+                          "sends and receives between two ranks in the order they are issued)")
+        if peer == self.rank and self._batch is None:
+            arg = "src" if code == RECV else "dst"
+            raise invalid(arg, peer, f"another rank of the group (0..{self.size - 1}, not this rank {self.rank}): "
+                          "on NCCL a send to oneself works inside mpicomm.batch() or with mpicomm.sendrecv")
         arg = "src" if code == RECV else "dst"
         peer = self.host._root(peer, arg)
         if peer == self.rank and not async_op:
