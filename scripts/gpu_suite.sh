@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -103,6 +103,18 @@ if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
         step "bench-all_reduce-$a" 300 "${MPI[@]}" "$NGPU" "${B[@]}" "${opt[@]}" --coll all_reduce -b 8 -e 1G -f 4 \
             -n 0 --target-time 0.25 -w 5 --rounds 4 --json "$RES/bench_all_reduce_$a.json"
     done
+fi
+if want torch; then  # mpicomm.torch: CUDA tensors, the DDP comparison at 2 and 4 GPUs, the fused reducer
+    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_torch.py
+    for g in 2 4; do
+        [ "$NGPU" -ge "$g" ] || continue
+        step "bench-ddp-np$g" 300 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --json "$RES/bench_ddp_np$g.json"
+        grep -A4 "^# bench_ddp: $g x" "$LOG" | tail -5 >>"$SUM"
+    done
+    step "bench-buckets-fused-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
+        --json "$RES/bench_buckets_fused.json"
+    grep -E "reducer\(grads\)|reduce_\(grads\)|one buffer" "$LOG" | tail -4 >>"$SUM"
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

@@ -231,7 +231,7 @@ def check_compression(device, which):
     s = my_slice(n, r)
     torch.nn.functional.cross_entropy(model(x[0, s].to(device)), y[0, s].to(device)).backward()
     half = (lambda a: np.asarray(a, np.float32).astype(np.float16).astype(np.float32)) if which == "fp16" else _bf16
-    each = [_local_grads(31, n, q, torch.float32) for q in range(n)]
+    each = [_local_grads(31, n, q, torch.float32, device) for q in range(n)]
     for i, p in enumerate(m.parameters()):
         # divided by n in half precision before the sum, summed in float32, rounded once
         want = half(sum(half(e[i] / np.float32(n)).astype(np.float64) for e in each))
@@ -385,17 +385,20 @@ def test_init_process_group_agrees_with_mpicomm(comm):
         mt.init_process_group(3)
     with pytest.raises(InvalidArgumentError, match=r"invalid timeout=-1.*seconds > 0"):
         mt.init_process_group(timeout=-1)
-    assert mt.init_process_group(timeout=120) == "gloo"
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    assert mt.init_process_group(timeout=120) == backend
     assert (dist.get_rank(), dist.get_world_size()) == (r, n)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(r), str(n))
     assert int(os.environ["LOCAL_RANK"]) == comm.get_local_rank()
     assert int(os.environ["LOCAL_WORLD_SIZE"]) == comm.get_local_size()
     vals = [torch.from_numpy(np.random.default_rng([q, 4]).standard_normal(11)) for q in range(n)]
-    t = vals[r].clone()
+    dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    t = vals[r].clone().to(dev)
     dist.all_reduce(t)
-    torch.testing.assert_close(t, mpicomm.all_reduce(vals[r]), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(t, sum(vals), rtol=1e-12, atol=1e-12)
-    assert mt.init_process_group() == "gloo"  # again: nothing happens
+    torch.testing.assert_close(t, mpicomm.all_reduce(vals[r].to(dev)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t.cpu(), sum(vals), rtol=1e-12, atol=1e-12)
+    assert mt.init_process_group() == backend  # again: nothing happens
 
 
 # ---------------------------------------------------------------- the reducer's fused path on tensors

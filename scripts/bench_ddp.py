@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""Training steps per second: mpicomm.torch.DistributedDataParallel against PyTorch's
+DistributedDataParallel (NCCL on GPUs, gloo on the CPU) and the same model with no
+communication at all (the floor), in the same job, interleaved.
+
+    mpirun -n 4 python scripts/bench_ddp.py                      # ResNet-50 and GPT-2 small, on GPUs
+    mpirun -n 2 python scripts/bench_ddp.py --model small --steps 3 --warmup 1 --rounds 1 --check-steps 3
+
+Models: torchvision's ResNet-50 (its own copy of the architecture where torchvision is
+missing), batch 64 per GPU at 224x224; a GPT-2 small sized transformer (12 layers, 768
+wide, 12 heads, 50257 tokens, 1024 positions) built from its configuration with random
+weights, batch 8 x 1024 tokens; "small" (a tiny conv net, for a CPU smoke test). Synthetic
+data, different on every rank; bf16 autocast on GPUs; SGD with momentum.
+
+Before timing, an mpicomm-wrapped and a DDP-wrapped copy of each model train
+--check-steps steps from the same seed on the same data; their parameters must agree
+within a relative --tolerance (1e-4), or the script exits 1 after the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mpicomm  # noqa: E402
+import mpicomm.torch as mt  # noqa: E402
+
+
+# ---------------------------------------------------------------- models
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = width * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        h = self.bn3(self.conv3(h))
+        return F.relu(h + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 architecture (the same 161 parameters, in the same order)."""
+
+    def __init__(self, num_classes=1000):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
+        layers, cin = [], 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            mods = []
+            for b in range(blocks):
+                mods.append(Bottleneck(cin, width, stride if b == 0 else 1))
+                cin = width * 4
+            layers.append(nn.Sequential(*mods))
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.fc = nn.Linear(2048, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet50():
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(), "torchvision.models.resnet50"
+    except ImportError:
+        return ResNet50(), "ResNet-50 (own copy: torchvision missing)"
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 from its configuration: token and position embeddings, pre-norm blocks, tied head."""
+
+    def __init__(self, vocab=50257, ctx=1024, d=768, layers=12, heads=12):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        for n, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        return self.fc(F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 1).flatten(1))
+
+
+class Case:
+    def __init__(self, name, make, batch, data, loss):
+        self.name, self.make, self.batch, self.data, self.loss = name, make, batch, data, loss
+
+
+def cases(args):
+    def image_data(b, size, classes):
+        def data(gen, device):
+            x = torch.randn(b, 3, size, size, generator=gen).to(device)
+            y = torch.randint(0, classes, (b,), generator=gen).to(device)
+            return x, y
+        return data
+
+    def token_data(b, t, vocab):
+        def data(gen, device):
+            x = torch.randint(0, vocab, (b, t + 1), generator=gen).to(device)
+            return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        return data
+
+    def ce(out, y):
+        return F.cross_entropy(out.float().flatten(0, -2) if out.dim() > 2 else out.float(), y.flatten())
+
+    out = {}
+    out["resnet50"] = Case("resnet50", resnet50, args.batch or 64, image_data(args.batch or 64, 224, 1000), ce)
+    out["gpt2"] = Case("gpt2", lambda: (GPT(), "GPT-2 small (124M) from its configuration"),
+                       args.batch or 8, token_data(args.batch or 8, args.seq, 50257), ce)
+    out["small"] = Case("small", lambda: (Small(), "a small conv net"), args.batch or 16,
+                        image_data(args.batch or 16, 16, 10), ce)
+    return out
+
+
+# ---------------------------------------------------------------- one step
+
+def make(case, mode, device, args):
+    torch.manual_seed(1234)
+    model, desc = case.make()
+    model = model.to(device)
+    if mode == "mpicomm":
+        model = mt.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    elif mode == "ddp":
+        kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return model, opt, desc
+
+
+def step_fn(case, model, opt, device, batches):
+    amp = device.type == "cuda"
+    it = [0]
+
+    def step():
+        x, y = batches[it[0] % len(batches)]
+        it[0] += 1
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            out = model(x)
+        case.loss(out, y).backward()
+        opt.step()
+
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def params_of(model):
+    m = model.module if hasattr(model, "module") else model
+    return [p.detach().float() for p in m.parameters()]
+
+
+def check(case, device, args, batches):
+    """mpicomm and DDP, the same seed and data, --check-steps steps: the worst relative difference."""
+    det = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True  # the two copies must not differ by cuDNN's choice
+    try:
+        runs = {}
+        for mode in ("mpicomm", "ddp"):
+            model, opt, _ = make(case, mode, device, args)
+            st = step_fn(case, model, opt, device, batches)
+            for _ in range(args.check_steps):
+                st()
+            sync(device)
+            runs[mode] = params_of(model)
+            del model, opt
+        worst = 0.0
+        for a, b in zip(runs["mpicomm"], runs["ddp"]):
+            scale = b.abs().max().item()
+            if scale > 0:
+                worst = max(worst, (a - b).abs().max().item() / scale)
+        start = params_of(make(case, "none", device, args)[0])
+        moved = max((a - s).abs().max().item() for a, s in zip(runs["ddp"], start))
+        return worst, moved
+    finally:
+        torch.backends.cudnn.deterministic = det
+
+
+def time_modes(case, device, args, batches, modes, comm):
+    built = {m: make(case, m, device, args) for m in modes}
+    steps = {m: step_fn(case, built[m][0], built[m][1], device, batches) for m in modes}
+    per = {m: [] for m in modes}
+    for rnd in range(args.rounds):
+        order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]  # interleaved, rotated each round
+        for m in order:
+            for _ in range(args.warmup):
+                steps[m]()
+            sync(device)
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                steps[m]()
+            sync(device)
+            dt = (time.perf_counter() - t0) / args.steps
+            per[m].append(comm.allreduce(dt, op=MAX))  # the slowest rank's time is the step's
+    return {m: per[m] for m in modes}, built[modes[0]][2]
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="resnet50, gpt2, small, comma-separated (default: resnet50,gpt2 "
+                   "on GPUs, small on the CPU)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode per round (20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before each timed run (5)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median (3)")
+    p.add_argument("--check-steps", type=int, default=10, help="steps of the mpicomm/DDP agreement check (10; 0: none)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest relative parameter difference (1e-4)")
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch (64 images, 8 sequences, 16 small)")
+    p.add_argument("--seq", type=int, default=1024, help="GPT-2 sequence length (1024)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both wrappers' bucket cap (25)")
+    p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm to time")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("none", "ddp", "mpicomm")]
+    if bad or not modes:
+        p.error(f"--modes {args.modes}: expected some of none, ddp, mpicomm")
+
+    mpicomm.init()
+    backend = mt.init_process_group()  # torch.distributed for DDP: nccl on GPUs, gloo on the CPU
+    from mpi4py import MPI
+
+    global MAX
+    MAX = MPI.MAX
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    names = [m.strip() for m in (args.model or ("resnet50,gpt2" if cuda else "small")).split(",") if m.strip()]
+    allc = cases(args)
+    for nm in names:
+        if nm not in allc:
+            p.error(f"--model {nm}: expected some of {', '.join(allc)}")
+    where = (f"{n} x {torch.cuda.get_device_name(device)}" if cuda else f"{n} CPU ranks on {os.cpu_count()} cores")
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ranks": n, "device": where,
+               "torch": torch.__version__, "mpicomm_backend": mpicomm.get_backend(), "ddp_backend": backend,
+               "steps": args.steps, "rounds": args.rounds, "bucket_cap_mb": args.bucket_cap_mb, "models": {}}
+    failed = False
+    for nm in names:
+        case = allc[nm]
+        gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
+        batches = [case.data(gen, device) for _ in range(2)]
+        if args.check_steps > 0 and "ddp" in modes and "mpicomm" in modes:
+            worst, moved = check(case, device, args, batches)
+            worst = comm.allreduce(worst, op=MAX)
+            ok = worst <= args.tolerance and moved > 0
+            failed |= not ok
+        else:
+            worst, moved, ok = None, None, None
+        per, desc = time_modes(case, device, args, batches, modes, comm)
+        med = {m: sorted(v)[len(v) // 2] for m, v in per.items()}
+        r = {"model": desc, "batch_per_rank": case.batch, "ms_per_step": {m: med[m] * 1e3 for m in modes},
+             "rounds_ms": {m: [t * 1e3 for t in v] for m, v in per.items()}, "check_steps": args.check_steps,
+             "max_rel_param_diff": worst, "check_ok": ok}
+        if "none" in modes:
+            for m in ("ddp", "mpicomm"):
+                if m in modes:
+                    r[f"{m}_exposed_ms"] = (med[m] - med["none"]) * 1e3
+        if "ddp" in modes and "mpicomm" in modes:
+            r["speedup_vs_ddp"] = med["ddp"] / med["mpicomm"]
+            if "none" in modes and med["ddp"] > med["none"]:
+                r["exposed_ratio"] = (med["mpicomm"] - med["none"]) / (med["ddp"] - med["none"])
+        results["models"][nm] = r
+    if rank == 0:
+        print(f"# bench_ddp: {where}, torch {torch.__version__}, mpicomm {mpicomm.get_backend()}, DDP {backend}, "
+              f"bucket cap {args.bucket_cap_mb:g} MiB, {args.steps} steps x {args.rounds} rounds (median), "
+              f"{results['date']}")
+        print("| model | batch/rank | no comm ms | DDP ms | mpicomm ms | mpicomm/DDP exposed | speedup vs DDP "
+              "| steps/s DDP | steps/s mpicomm | param diff vs DDP |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for nm, r in results["models"].items():
+            ms = r["ms_per_step"]
+
+            def cell(m):
+                if m not in ms:
+                    return "-"
+                extra = f" (+{(ms[m] / ms['none'] - 1) * 100:.1f} %)" if "none" in ms and m != "none" else ""
+                return f"{ms[m]:.2f}{extra}"
+
+            ratio, diff, sp = r.get("exposed_ratio"), r["max_rel_param_diff"], r.get("speedup_vs_ddp")
+            rate = {m: ("-" if m not in ms else f"{1e3 / ms[m]:.1f}") for m in ("ddp", "mpicomm")}
+            verdict = "-" if diff is None else f"{diff:.1e} " + ("ok" if r["check_ok"] else "FAIL")
+            print(f"| {nm} | {r['batch_per_rank']} | {cell('none')} | {cell('ddp')} | {cell('mpicomm')} | "
+                  f"{'-' if ratio is None else format(ratio, '.2f')} | {'-' if sp is None else format(sp, '.3f')} | "
+                  f"{rate['ddp']} | {rate['mpicomm']} | {verdict} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"# wrote {args.json}")
+        if failed:
+            print(f"# FAIL: parameters after {args.check_steps} steps differ from DDP's by more than "
+                  f"{args.tolerance:g} (relative), or did not move", file=sys.stderr)
+    comm.Barrier()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+MAX = None
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""mpicomm.torch on CUDA tensors over NCCL: the checks of test_torch.py with device="cuda"
+(the wrapper equals one process on the global batch, buckets issued during backward,
+no_sync, unused parameters, compression, a bfloat16 model, buffers), and the reducer's
+fused path on CUDA tensors. Skipped (on every rank alike) where the backend is not NCCL
+or PyTorch sees no GPU; run by scripts/gpu_suite.sh torch."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+import mpicomm  # noqa: E402
+import test_torch as tt  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
+
+
+@pytest.fixture(scope="module")
+def cuda(comm):
+    if mpicomm.get_backend() != "nccl" or not torch.cuda.is_available():
+        pytest.skip("needs the NCCL backend and a GPU that PyTorch sees")
+    dev = mpicomm.get_local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    # the references run the same kernels: no TF32, no nondeterministic algorithm choice
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return f"cuda:{dev}"
+
+
+@pytest.mark.parametrize("plan", list(tt.PLANS))
+def test_wrapper_equals_one_process_cuda(cuda, plan):
+    model = tt.check_equals_one_process(cuda, tt.PLANS[plan])
+    assert all(p.grad.is_cuda for p in model.parameters())
+
+
+def test_buckets_start_during_backward_cuda(cuda):
+    tt.check_buckets_start_during_backward(cuda)
+
+
+def test_no_sync_cuda(cuda):
+    tt.check_no_sync(cuda)
+
+
+def test_unused_parameters_cuda(cuda):
+    tt.check_unused(cuda)
+
+
+@pytest.mark.parametrize("which", ["fp16", "bf16"])
+def test_compression_cuda(cuda, which):
+    tt.check_compression(cuda, which)
+
+
+def test_bf16_model_cuda(cuda):
+    tt.check_bf16_model(cuda)
+
+
+def test_buffers_cuda(cuda):
+    tt.check_buffers(cuda)
+
+
+@pytest.mark.parametrize("mode", ["call", "reduce_"])
+@pytest.mark.parametrize("cap", [25.0, 0, 300 / 2 ** 20])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reducer_fused_on_cuda_tensors(cuda, mode, cap, dtype):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    shapes = [(6, 5), (5,), (5, 4, 3), (4,), (3, 2), (7,), (33, 3)]
+    dt = getattr(torch, dtype)
+
+    def grads(q):
+        g = np.random.default_rng([q, 13])
+        return [torch.from_numpy(g.standard_normal(s).astype(np.float32)).to(dt) for s in shapes]
+
+    mine = [g.to(cuda) for g in grads(r)]
+    red = mpicomm.DistributedGradReducer([torch.zeros(s, dtype=dt, device=cuda) for s in shapes], mean=False,
+                                         bucket_cap_mb=cap)
+    given = [g.clone() for g in mine]
+    out = red(given) if mode == "call" else red.reduce_(given)
+    for k in range(len(shapes)):
+        want = sum(grads(q)[k].double() for q in range(n))
+        tol = 1e-6 if dtype == "float32" else 1e-2
+        torch.testing.assert_close(out[k].double().cpu(), want, rtol=tol, atol=tol)
+        assert out[k].is_cuda and out[k].dtype == dt
+        if mode == "call":
+            torch.testing.assert_close(given[k], mine[k], rtol=0, atol=0)
+        else:
+            assert out[k] is given[k]
