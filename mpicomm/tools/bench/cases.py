@@ -168,3 +168,114 @@ class Case:
             b.synchronize()
             wrong += self._count_wrong(o)
         return wrong
+
+
+# ---------------------------------------------------------------- per-rank sizes, gather, scatter, sendrecv
+
+def uneven_counts(total, n):
+    """``total`` elements split unevenly over n ranks: rank r's share grows with r+1."""
+    w = n * (n + 1) // 2
+    counts = [total * (r + 1) // w for r in range(n)]
+    counts[-1] += total - sum(counts)
+    return counts
+
+
+def uneven_splits(c, n):
+    """S[i][j]: elements rank i sends rank j, about c each: c/2, c or 3c/2 by (i + j) % 3."""
+    return [[c + ((i + j) % 3 - 1) * (c // 2) for j in range(n)] for i in range(n)]
+
+
+class CaseV(Case):
+    """A case of the calls with per-rank sizes (all_gatherv, all_to_allv), gather, scatter
+    and sendrecv: out of place only, mpicomm against raw mpi4py / raw grouped NCCL send/recv."""
+
+    def __init__(self, b, coll, count):
+        mc, fam, n, rank, dt, root = b.mc, b.family, b.n, b.rank, b.dt, b.root
+        c, pool = count, b.pool
+        p = functools.partial
+        self.b, self.coll, self.count = b, coll, c
+        kw = {}
+        if coll == "all_gatherv":
+            self.counts = uneven_counts(n * c, n)
+            host_in = make_data(None, dt, rank, self.counts[rank])
+            out_count = n * c
+            kw = {"sizes": self.counts}
+        elif coll == "all_to_allv":
+            self.S = uneven_splits(c, n)
+            host_in = np.concatenate([make_data(None, dt, rank + n * j, self.S[rank][j]) for j in range(n)]) \
+                if c else np.empty(0, dt)
+            out_count = sum(self.S[i][rank] for i in range(n))
+            kw = {"in_splits": self.S[rank], "out_splits": [self.S[i][rank] for i in range(n)]}
+        elif coll == "gather":
+            host_in = make_data(None, dt, rank, c)
+            out_count = n * c if rank == root else 0
+        elif coll == "scatter":
+            host_in = np.concatenate([make_data(None, dt, n + j, c) for j in range(n)]) if rank == root and c \
+                else np.empty(n * c if rank == root else 0, dt)
+            out_count = c
+        elif coll == "sendrecv":
+            host_in = make_data(None, dt, rank, c)
+            out_count = c
+        else:
+            raise ValueError(f"unknown collective {coll!r}")
+        self.host_in = host_in
+        ins = [fam.from_host(host_in) for _ in range(pool)]
+        outs = [fam.zeros(out_count, dt) for _ in range(pool)]
+        oops = []
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        for x, o in zip(ins, outs):
+            if coll == "all_gatherv":
+                oops.append(p(mc.all_gather, x, o, **kw))
+            elif coll == "all_to_allv":
+                oops.append(p(mc.all_to_all, x, o, **kw))
+            elif coll == "gather":
+                oops.append(p(mc.gather, x, root, o if rank == root else None))
+            elif coll == "scatter":
+                oops.append(p(mc.scatter, x if rank == root else None, root, o))
+            else:
+                oops.append(p(mc.sendrecv, x, nxt, o, prv))
+        self._oops, self._ips, self._ins, self._outs = oops, [None] * pool, ins, outs
+        self.oop, self.ip = rotate(oops), None
+        self.raw_oop = self.raw_ip = None
+        if b.raw is not None:
+            if b.raw_family is not b.family:
+                rf = b.raw_family
+                ins = [rf.from_host(host_in) for _ in ins]
+                outs = [rf.zeros(out_count, dt) for _ in outs]
+            raw = b.raw
+            fs = []
+            for x, o in zip(ins, outs):
+                if coll == "all_gatherv":
+                    fs.append(raw.all_gatherv(x, o, self.counts))
+                elif coll == "all_to_allv":
+                    fs.append(raw.all_to_allv(x, o, self.S[rank], [self.S[i][rank] for i in range(n)]))
+                elif coll == "gather":
+                    fs.append(raw.gather(x, o, c))
+                elif coll == "scatter":
+                    fs.append(raw.scatter(x, o, c))
+                else:
+                    fs.append(raw.sendrecv(x, o, nxt, prv))
+            self.raw_oop = rotate(fs)
+
+    def expect(self):
+        b, c, coll = self.b, self.count, self.coll
+        n, rank, dt = b.n, b.rank, b.dt
+        if coll == "all_gatherv":
+            return np.concatenate([make_data(None, dt, r, self.counts[r]) for r in range(n)]) if c else np.empty(0, dt)
+        if coll == "all_to_allv":
+            parts = [make_data(None, dt, i + n * rank, self.S[i][rank]) for i in range(n)]
+            return np.concatenate(parts) if c else np.empty(0, dt)
+        if coll == "gather":
+            return np.concatenate([make_data(None, dt, r, c) for r in range(n)]) if c else np.empty(0, dt)
+        if coll == "scatter":
+            return make_data(None, dt, n + rank, c)
+        return make_data(None, dt, (rank - 1) % n, c)
+
+    def _count_wrong(self, got):
+        b = self.b
+        if self.coll == "gather" and b.rank != b.root:
+            return 0
+        return super()._count_wrong(got)
+
+    def check_ip(self):
+        return 0

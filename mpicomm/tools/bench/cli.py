@@ -17,9 +17,9 @@ from ..smoke import ops_for
 from . import report
 from .arrays import ARRAYS, CupyFamily, NumpyFamily, TorchFamily, check_importable, np_dtype
 from .buckets import SHAPES_FILE, find_shapes_file, run_buckets
-from .cases import Case, counts_for
+from .cases import Case, CaseV, counts_for
 from .raw import RawMPI, RawNCCL
-from .timing import CHUNKED, COLLS, REDUCING, ROOTED, Clock, variant
+from .timing import CHUNKED, COLLS, REDUCING, ROOTED, VCOLLS, Clock, variant
 
 PERCALL_COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # nccl-tests' type names, and the names -d accepts for each dtype
@@ -97,7 +97,8 @@ def _parser():
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     p.add_argument("--coll", default=None, choices=COLLS + ("buckets",),
                    help="the collective (default all_reduce; --percall: all_reduce, all_gather, "
-                        "reduce_scatter and broadcast)")
+                        "reduce_scatter and broadcast). all_gatherv and all_to_allv: all_gather(sizes=) and "
+                        "all_to_all(in_splits=, out_splits=) with unequal parts; gather, scatter, sendrecv (a ring)")
     p.add_argument("--backend", choices=("mpi", "nccl"), default=None, help="default: what mpicomm.init picks")
     p.add_argument("--array", choices=ARRAYS, default=None,
                    help="arrays given to mpicomm: numpy, cupy or torch (PyTorch tensors: CUDA on NCCL, CPU "
@@ -326,7 +327,7 @@ def measure(b, coll, req):
     interleaved; check the results with -c 1. Returns the row (on every rank)."""
     a, n = b.args, b.n
     count, size = counts_for(coll, req, b.dt.itemsize, n)
-    case = Case(b, coll, count)
+    case = (CaseV if coll in VCOLLS else Case)(b, coll, count)
     fns = [case.oop, case.raw_oop, case.ip, case.raw_ip]
     b.clock.warm(fns, b.warmup())
     iters = b.iters_for(case.oop or case.ip)

@@ -85,6 +85,34 @@ class RawMPI:
     def all_to_all(self, send, recv, c):
         return functools.partial(self.comm.Alltoall, self._b(send), self._b(recv))
 
+    # per-rank sizes, gather, scatter, sendrecv: out of place only
+    @staticmethod
+    def _displs(counts):
+        d, acc = [], 0
+        for c in counts:
+            d.append(acc)
+            acc += c
+        return d
+
+    def all_gatherv(self, send, recv, counts):
+        rb = [self._b(recv), (list(counts), self._displs(counts))]
+        return functools.partial(self.comm.Allgatherv, self._b(send), rb)
+
+    def all_to_allv(self, send, recv, sc, rc):
+        return functools.partial(self.comm.Alltoallv, [self._b(send), (list(sc), self._displs(sc))],
+                                 [self._b(recv), (list(rc), self._displs(rc))])
+
+    def gather(self, send, recv, c):
+        return functools.partial(self.comm.Gather, self._b(send), self._b(recv) if self.rank == self.root else None,
+                                 self.root)
+
+    def scatter(self, send, recv, c):
+        return functools.partial(self.comm.Scatter, self._b(send) if self.rank == self.root else None,
+                                 self._b(recv), self.root)
+
+    def sendrecv(self, send, recv, dst, src):
+        return functools.partial(self.comm.Sendrecv, self._b(send), dst, 0, self._b(recv), src, 0)
+
 
 class RawNCCL:
     """The collectives as direct CuPy ``NcclCommunicator`` calls on a communicator of its own,
@@ -171,3 +199,55 @@ class RawNCCL:
             nccl.groupEnd()
 
         return a2a
+
+    def _grouped(self, send, recv, sends, recvs):
+        """One NCCL group of sends ``(peer, element offset, count)`` from ``send`` and receives
+        into ``recv``, as a user writes an uneven collective with CuPy's NCCL."""
+        cm, nccl, dt, s, sc, item, fresh = self.comm, self.nccl, self.dt, self.s, self.scale, self.item, self.fresh
+        sends = [(j, o * item, k * sc) for j, o, k in sends if k]
+        recvs = [(j, o * item, k * sc) for j, o, k in recvs if k]
+        ptrs = (send.data.ptr if send is not None else 0, recv.data.ptr if recv is not None else 0)
+
+        def grouped():
+            sp, rp = ((send.data.ptr if send is not None else 0, recv.data.ptr if recv is not None else 0)
+                      if fresh else ptrs)
+            nccl.groupStart()
+            for j, o, k in sends:
+                cm.send(sp + o, k, dt, j, s)
+            for j, o, k in recvs:
+                cm.recv(rp + o, k, dt, j, s)
+            nccl.groupEnd()
+
+        return grouped
+
+    @staticmethod
+    def _offs(counts):
+        d, acc = [], 0
+        for c in counts:
+            d.append(acc)
+            acc += c
+        return d
+
+    def all_gatherv(self, send, recv, counts):
+        n, me, d = self.n, self.rank, self._offs(counts)
+        return self._grouped(send, recv, [(j, 0, counts[me]) for j in range(n)],
+                             [(j, d[j], counts[j]) for j in range(n)])
+
+    def all_to_allv(self, send, recv, sc, rc):
+        n, sd, rd = self.n, self._offs(sc), self._offs(rc)
+        return self._grouped(send, recv, [(j, sd[j], sc[j]) for j in range(n)],
+                             [(j, rd[j], rc[j]) for j in range(n)])
+
+    def gather(self, send, recv, c):
+        n, root = self.n, self.root
+        return self._grouped(send, recv, [(root, 0, c)],
+                             [(j, j * c, c) for j in range(n)] if self.rank == root else [])
+
+    def scatter(self, send, recv, c):
+        n, root = self.n, self.root
+        return self._grouped(send, recv, [(j, j * c, c) for j in range(n)] if self.rank == root else [],
+                             [(root, 0, c)])
+
+    def sendrecv(self, send, recv, dst, src):
+        c = recv.size
+        return self._grouped(send, recv, [(dst, 0, c)], [(src, 0, c)])

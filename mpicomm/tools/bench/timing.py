@@ -6,10 +6,15 @@ import time
 
 import numpy as np
 
-COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
-ROOTED = ("broadcast", "reduce")
+COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+         "all_gatherv", "all_to_allv", "gather", "scatter", "sendrecv")
+# per-rank sizes (all_gather(sizes=), all_to_all(in_splits=, out_splits=)), gather, scatter, sendrecv
+VCOLLS = ("all_gatherv", "all_to_allv", "gather", "scatter", "sendrecv")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # size = n chunks of `count`
+# size = n chunks of `count` (all_gatherv: n * count in all, split unevenly; all_to_allv:
+# about count to each rank)
+CHUNKED = ("all_gather", "reduce_scatter", "all_to_all", "all_gatherv", "all_to_allv", "gather", "scatter")
 MIB = 1 << 20
 
 
@@ -17,6 +22,8 @@ def bus_factor(coll, n):
     """nccl-tests' factor from algorithm bandwidth to bus bandwidth for ``n`` ranks."""
     if coll in ("all_reduce", "buckets"):
         return 2.0 * (n - 1) / n
+    if coll == "sendrecv":   # each rank sends and receives size bytes
+        return 1.0
     if coll in CHUNKED:
         return (n - 1) / n
     if coll in ROOTED:
