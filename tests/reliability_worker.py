@@ -202,6 +202,56 @@ def main():
             time.sleep(120)
         mpicomm.create_group("late", list(range(n)))
         say("finished")
+    elif MODE in ("recv_nosend", "send_norecv", "recv_exit"):  # rank 0's recv/send; rank 1 never matches it
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 0:
+            if MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
+                mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=5)
+            else:
+                mpicomm.recv(x, 1, tag=5)
+        elif r == 1:
+            if MODE == "recv_exit":
+                say("leaving")
+                sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+            lagging_here(120)
+        else:
+            time.sleep(120)
+        say("finished")
+    elif MODE == "exit_later":  # rank 1 leaves with EXIT_STATUS while the others compute (no call)
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        if r == 1:
+            say("leaving")
+            sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+        time.sleep(120)
+        say("finished")
+    elif MODE == "sigstop":  # rank 1 stops itself (SIGSTOP) in the middle of a loop
+        x = arr(rng.standard_normal(64).astype(np.float32))
+        for i in range(1000):
+            mpicomm.all_reduce(x)
+            if r == 1 and i == 10:
+                os.kill(os.getpid(), signal.SIGSTOP)
+        say("finished")
+    elif MODE == "skip_member_create":  # only the members call create_group; member 1 never comes
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        members = list(range(max(2, n - 1)))
+        if r == 1:
+            lagging_here(120)
+        if r in members:
+            mpicomm.create_group("late", members)
+        else:
+            time.sleep(120)
+        say("finished")
+    elif MODE == "sigusr1":  # every rank idles after a call; the test signals mpirun with SIGUSR1
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        say("ready")
+        stack = os.path.join(os.environ["MPICOMM_TRACE_DIR"], f"mpicomm-stack.rank{r}.txt")
+        t0 = time.monotonic()
+        while not os.path.exists(stack) and time.monotonic() - t0 < 60:
+            lagging_here(0.05)
+        time.sleep(0.5)
+        say("dumped", os.path.exists(stack))
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
     elif MODE == "shapes_nodebug":  # what MPI does with different counts, no debug mode
         x = np.arange(4 + r, dtype=np.float32)
         expect_error(Exception, lambda: mpicomm.all_reduce(x))
@@ -211,6 +261,11 @@ def main():
         bigcount()
     else:
         raise SystemExit(f"unknown mode {MODE}")
+
+
+def lagging_here(seconds):
+    """Sleep; the name shows in this rank's Python stack in a peer's timeout report."""
+    time.sleep(seconds)
 
 
 def statm_rss():

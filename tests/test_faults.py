@@ -7,6 +7,7 @@ corrupt data nor grow. The GPU variants run the same programs with CuPy arrays o
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -144,18 +145,24 @@ def test_a_caught_local_error_is_named_by_the_peers():
 @pytest.mark.parametrize("status", [0, 3])
 def test_early_exit_is_reported_within_seconds(status):
     """Rank 1 leaves the script (sys.exit) while ranks 0 and 2 wait for it in all_reduce:
-    they say so within seconds, long before the timeout (60 s here), and the job ends."""
-    p, took = run(3, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": str(status)})
+    they say so within seconds, long before the timeout (60 s here), naming its exit
+    status, and the job ends with that status under plain mpirun (1 for a 0: the others
+    could not finish)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(3, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": str(status)},
+                  token=token)
     assert took < 30, took
-    assert p.returncode != 0
+    assert p.returncode == (status or 1), (p.returncode, p.stderr)
     assert results(p) == {1: ["leaving"]}
     for r in (0, 2):
         m = re.search(rf"^\[mpicomm rank {r}\] CommunicationError: (.*)$", p.stderr, re.M)
         assert m, p.stderr
         assert "all_reduce sequence 2 on group 'world'" in m.group(1) and "cannot complete" in m.group(1)
-        assert "Rank 1 has left the script (exited or returned) without reaching this call" in m.group(1)
-    assert re.search(r"^  rank 1: has left its script \(it exited or returned\) without reaching this call; "
+        assert f"Rank 1 has left the script (exit status {status}) without reaching this call" in m.group(1)
+    assert re.search(rf"^  rank 1: has left its script \(exit status {status}\) without reaching this call; "
                      r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
+    assert f"aborting the job with exit status {status}" in p.stderr if status else True
+    nothing_left(token)
 
 
 def test_early_exit_report_writes_the_flight_record(tmp_path):
@@ -177,11 +184,12 @@ def test_early_exit_report_writes_the_flight_record(tmp_path):
 
 
 def test_group_creation_is_watched():
-    """create_group is collective over the world: a rank that never comes is named."""
+    """create_group called by every rank: a member that never comes is named (creation is
+    call 1 of the new group)."""
     p, m = timeout_report(3, "skip_create_group")
-    assert "create_group sequence 2 on group 'world'" in m.group(1)
+    assert "create_group sequence 1 on group 'late'" in m.group(1)
     assert "Rank 1 of 3 has not reached this call" in m.group(1)
-    assert re.search(r"^  rank 1: last call all_reduce sequence 1 on group 'world', finished [\d.]+ s ago; "
+    assert re.search(r"^  rank 1 \(rank 1 of the group\): no collective on group 'late' yet; "
                      r"not in a collective$", p.stderr, re.M), p.stderr
 
 
@@ -305,6 +313,152 @@ def test_nccl_unavailable_on_every_rank():
         assert res[r][0].startswith("raised BackendUnavailableError | the NCCL backend needs"), res
         assert "init(backend='mpi')" in res[r][0]
         assert res[r][1] == "after mpi 2"
+
+
+# ------------------------------------------------------------------ the fault matrix (2 and 4 ranks)
+def nothing_left(token):
+    """No process of the job (its argv holds ``token``) is still running."""
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"processes left behind: {left.stdout}"
+
+
+def fault(n, mode, env=None, limit=TIMEOUT + 60):
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(n, mode, limit=limit, env=env, token=token)
+    nothing_left(token)
+    return p, took
+
+
+def report_of(p, rank, kind="CollectiveTimeoutError"):
+    m = re.search(rf"^\[mpicomm rank {rank}\] {kind}: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    return m.group(1)
+
+
+def stack_shown(p, tmp_path, rank, where="lagging_here"):
+    """Rank ``rank`` printed its Python stack (asked for by a peer's report) and wrote it."""
+    assert re.search(rf"^\[mpicomm rank {rank}\] Python stacks of rank {rank} \(asked for by a peer's timeout "
+                     r"report\)", p.stderr, re.M), p.stderr
+    assert re.search(rf'^\[mpicomm rank {rank}\]   File ".*reliability_worker.py", line \d+ in {where}$',
+                     p.stderr, re.M), p.stderr
+    assert f"in {where}" in (tmp_path / "traces" / f"mpicomm-stack.rank{rank}.txt").read_text()
+
+
+NRANKS = [2, 4]
+
+
+@pytest.mark.parametrize("n", NRANKS)
+def test_unmatched_recv_names_the_peer_with_its_stack(n, tmp_path):
+    """Rank 0 waits in recv from rank 1, which sleeps: the timeout report names rank 1 and
+    where it is, and rank 1 prints its Python stack (the function it sleeps in)."""
+    p, took = fault(n, "recv_nosend")
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' did not "
+                          "complete within 5 s"), msg
+    assert "Rank 1 has not reached the matching send" in msg
+    assert re.search(r"^  rank 1: not in a send or recv; not in a collective \(last: all_reduce sequence 1 on "
+                     r"group 'world'\)$", p.stderr, re.M), p.stderr
+    assert "rank 1 was asked to print its Python stack" in p.stderr
+    stack_shown(p, tmp_path, 1)
+
+
+@pytest.mark.parametrize("n", NRANKS)
+def test_unmatched_send_names_the_peer(n, tmp_path):
+    """A 16 MiB send (past the eager limit) that rank 1 never receives."""
+    p, took = fault(n, "send_norecv")
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: send to rank 1 (tag 5, shape (4194304,), dtype float32) on group 'world' did "
+                          "not complete within 5 s"), msg
+    assert "Rank 1 has not reached the matching recv" in msg
+    stack_shown(p, tmp_path, 1)
+
+
+@pytest.mark.parametrize("n,status", [(2, 3), (4, 0)])
+def test_recv_from_a_rank_that_exits(n, status):
+    """Rank 1 exits while rank 0 waits for its send: rank 0 says so within seconds, and the
+    job ends with rank 1's status (1 for a 0)."""
+    p, took = fault(n, "recv_exit", env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": str(status)}, limit=90)
+    assert p.returncode == (status or 1) and took < 20, (p.returncode, took, p.stderr)
+    msg = report_of(p, 0, "CommunicationError")
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' cannot "
+                          "complete"), msg
+    assert f"Rank 1 has left the script (exit status {status}) without the matching send" in msg
+
+
+@pytest.mark.parametrize("n", NRANKS)
+def test_nonzero_exit_while_the_others_compute_ends_the_job_with_its_status(n):
+    """Rank 1 exits with 3 while the others are busy outside mpicomm (no call to notice it):
+    rank 1 ends the job with 3 itself after a few seconds (plain mpirun would wait)."""
+    from mpicomm._reliability import LEAVE_WAIT
+
+    p, took = fault(n, "exit_later", env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": "3"}, limit=90)
+    assert p.returncode == 3 and took < LEAVE_WAIT + 10, (p.returncode, took, p.stderr)
+    others = ", ".join(str(k) for k in range(n) if k != 1)
+    assert (f"[mpicomm rank 1] this rank exits with status 3 while rank{'s' if n > 2 else ''} {others} still "
+            "run: ending the job with exit status 3") in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("n", NRANKS)
+def test_sigstop_of_a_rank_is_named(n):
+    """Rank 1 stops (SIGSTOP) between two all_reduce: the others name it at the timeout, and
+    the job, the stopped process included, is gone."""
+    p, took = fault(n, "sigstop")
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: all_reduce sequence 12 on group 'world' (shape (64,), dtype float32) did not "
+                          "complete within 5 s"), msg
+    assert f"Rank 1 of {n} has not reached this call" in msg
+    assert re.search(r"^  rank 1: last call all_reduce sequence 11 on group 'world'", p.stderr, re.M), p.stderr
+
+
+@pytest.mark.parametrize("n", NRANKS)
+def test_member_only_group_creation_is_watched(n, tmp_path):
+    """Only the members call create_group (MindSpore's usage) and member 1 never comes: the
+    other members name it, with its stack; the non-member's world count is untouched."""
+    p, took = fault(n, "skip_member_create")
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    k = max(2, n - 1)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: create_group sequence 1 on group 'late' (no array) did not complete"), msg
+    assert f"Rank 1 of {k} has not reached this call" in msg
+    assert re.search(r"^  rank 1 \(rank 1 of the group\): no collective on group 'late' yet; not in a "
+                     r"collective$", p.stderr, re.M), p.stderr
+    stack_shown(p, tmp_path, 1)
+
+
+def test_sigusr1_prints_stacks_and_writes_flight_records(tmp_path):
+    """kill -USR1 of mpirun (passed on to every rank): each rank prints its Python stack,
+    writes it and its flight record, and goes on (the job then ends normally)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    argv = mpirun_argv(2, WORKER, "sigusr1", token)
+    proc = subprocess.Popen(argv, env=clean_mpi_env({"MPICOMM_TIMEOUT": "30"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        ready = 0
+        for line in proc.stdout:
+            ready += line.startswith("RESULT") and line.rstrip().endswith("ready")
+            if ready == 2:
+                break
+        time.sleep(1)
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    d = tmp_path / "traces"
+    for r in (0, 1):
+        assert f"RESULT rank={r} dumped True" in out, out
+        assert re.search(rf'^\[mpicomm rank {r}\]   File ".*reliability_worker.py", line \d+ in lagging_here$',
+                         err, re.M), err
+        assert f"[mpicomm rank {r}] flight record: {d / f'mpicomm-trace.rank{r}.json'}" in err
+        assert json.loads((d / f"mpicomm-trace.rank{r}.json").read_text())["reason"] == "SIGUSR1"
+        assert "in lagging_here" in (d / f"mpicomm-stack.rank{r}.txt").read_text()
+    nothing_left(token)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -84,22 +84,28 @@ class Reliability:
         status = self.exit.status()
         self.progress.mark_exited(status)
         complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
-        if status and self.ctx.world is not None and self.ctx.world.size > 1:
+        if self.ctx.world is not None and self.ctx.world.size > 1:
             self._leave(status)
         self.close(free=False)
 
     def _leave(self, status):
-        """This rank exits with a non-zero status: the job ends with it. Peers waiting in a
-        call report the exit and abort with the status within seconds; if they have not
-        within LEAVE_WAIT s and have not all exited too, this rank aborts the job itself
-        (MPI_Finalize would otherwise wait for them, and mpirun would report 1 or 0)."""
+        """Wait (at most LEAVE_WAIT s) for the peers to leave too, or to report this rank's
+        exit and abort the job, before MPI_Finalize: Open MPI's prterun was seen to crash
+        (SIGSEGV, the status lost) when the abort came while a rank was inside MPI_Finalize.
+        With a non-zero status the job ends with it: if the peers have neither left nor
+        aborted by then, this rank aborts the job itself (MPI_Finalize would wait for them,
+        and mpirun would then report 1, or 0)."""
         peers = [r for r in range(self.ctx.world.size) if r != self.ctx.world.rank]
         deadline = time.monotonic() + LEAVE_WAIT
         while time.monotonic() < deadline:
             states = self.progress.read_peers(peers)
-            if all(st is not None and st[EXITED] for st in states.values()):
+            # a peer that does not answer is taken as gone (across hosts, one waiting inside
+            # MPI_Finalize may not serve reads): waiting for it would only delay the exit
+            if all(st is None or st[EXITED] for st in states.values()):
                 return
             time.sleep(0.25)
+        if not status:
+            return
         left = [r for r, st in self.progress.read_peers(peers).items() if st is None or not st[EXITED]]
         sys.stderr.write(f"{rank_prefix()}this rank exits with status {status} while rank"
                          f"{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} still run: "

@@ -201,7 +201,7 @@ class Watchdog:
         lag = self.lagging
         if lag:
             self.progress.request_dump(lag)
-            msg += "\n  " + "; ".join(f"rank {r} prints its Python stack (also to {stack_path(r)} on its host)"
+            msg += "\n  " + "; ".join(f"rank {r} was asked to print its Python stack (and to write {stack_path(r)}; a stopped process cannot)"
                                       for r in lag)
         code = self._exit_code(ranks) if early else 1
         kind = "CommunicationError" if early else "CollectiveTimeoutError"
