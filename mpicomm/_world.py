@@ -11,6 +11,7 @@ from ._mpi import load as load_mpi
 from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
 from ._reliability.progress import ghash
+from ._reliability.watchdog import InitGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
@@ -67,6 +68,14 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    guard = InitGuard(float(timeout), MPI.COMM_WORLD.Get_rank())   # until the watchdog takes over
+    try:
+        _init(MPI, name, timeout, debug, abort_on_exception, key, guard)
+    finally:
+        guard.done()
+
+
+def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
     world = MPI.COMM_WORLD.Dup()  # the library owns its communicator
     lcomm = local_comm(world)
     CTX.local_comm = lcomm
@@ -76,6 +85,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
     CTX.debug = bool(debug)
     CTX.abort_on_exception = bool(abort_on_exception)
     # every rank must pick the same backend, or the first collective would hang
+    guard.stage = "agree"
     picks = world.allgather(name)
     if len(set(picks)) > 1:
         world.Free()
@@ -100,8 +110,10 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
     CTX.backend_name = name
     CTX.backend = backend_obj
     CTX.device_id = backend_obj.device_id
+    guard.stage = "transport"
     CTX.world = Group(WORLD, range(world.Get_size()), world.Get_rank(), world, backend_obj.make_transport(world))
     CTX.groups = {}
+    guard.stage = "window"
     CTX.reliability = Reliability(CTX)
     _attach(CTX, CTX.world)
     Work.default_timeout = CTX.timeout or None

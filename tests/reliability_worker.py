@@ -100,6 +100,13 @@ def main():
         say("after", mpicomm.is_initialized(), float(mpicomm.all_reduce(np.ones(1))[0]))
         return
 
+    if MODE == "late_init":  # rank 1 comes to init() long after the others
+        if rank_of_world() == 1:
+            lagging_here(120)
+        mpicomm.init(backend="nccl" if GPU else None)
+        say("finished")
+        return
+
     mpicomm.init(backend="nccl" if GPU else None)
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
     rng = np.random.default_rng([r, 7])

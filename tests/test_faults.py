@@ -429,6 +429,19 @@ def test_member_only_group_creation_is_watched(n, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+@pytest.mark.parametrize("gpu", [CPU, GPU])
+def test_init_is_watched(gpu):
+    """Rank 1 comes to init() long after the others: they report, at the timeout, the stage
+    of init they wait in, and the job ends (on GPUs: before the NCCL communicator exists)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, "late_init", gpu, limit=TIMEOUT + 60, token=token)
+    nothing_left(token)
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: init() did not complete within 5 s; stage: joining the other ranks"), msg
+    assert "RESULT" not in p.stdout
+
+
 def test_sigusr1_prints_stacks_and_writes_flight_records(tmp_path):
     """kill -USR1 of mpirun (passed on to every rank): each rank prints its Python stack,
     writes it and its flight record, and goes on (the job then ends normally)."""

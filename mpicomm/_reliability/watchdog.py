@@ -433,3 +433,44 @@ def _now_at(st, names):
         return (f"not in a collective (last: {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence "
                 f"{int(r[ENTERED]) >> 4} on group {gname!r})")
     return "not in a collective"
+
+
+class InitGuard:
+    """Watches init() itself, before the progress window exists: if a stage does not end
+    within the timeout, prints which stage and aborts the job. Every rank must reach
+    each stage; which rank did not cannot be read yet (nothing is published before the
+    window), so the report says what the stage waits for."""
+
+    STAGES = {
+        "join": "joining the other ranks (MPI_Comm_dup of the world): every rank must call init()",
+        "agree": "agreeing on the backend with the other ranks",
+        "transport": "creating the world's transport (under NCCL: ncclCommInitRank, NCCL's own "
+                     "bootstrap over the network; every rank has passed the backend agreement just before)",
+        "window": "creating the progress window (MPI_Win_allocate on every rank)",
+    }
+
+    def __init__(self, timeout, rank):
+        self.timeout = timeout
+        self.rank = rank
+        self.stage = "join"
+        self._t = None
+        if timeout > 0:
+            self._t = threading.Timer(timeout, self._fire)
+            self._t.daemon = True
+            self._t.name = "mpicomm-init-guard"
+            self._t.start()
+
+    def _fire(self):
+        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: rank {self.rank}: init() did not complete "
+                         f"within {self.timeout:g} s; stage: {self.STAGES.get(self.stage, self.stage)}. "
+                         "A rank that never calls init() cannot be named here (progress is published from "
+                         "the end of init on).\n"
+                         f"{rank_prefix()}  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)\n"
+                         f"{rank_prefix()}aborting the job\n")
+        sys.stderr.flush()
+        abort_job(grace=GRACE)
+
+    def done(self):
+        t, self._t = self._t, None
+        if t is not None:
+            t.cancel()
