@@ -35,11 +35,15 @@ import numpy as np
 from ._common import exit_cleanly, load_mpi
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-               "send_recv", "barrier")
+               "send_recv", "barrier", "all_gatherv", "all_to_allv", "reduce_scatterv", "gather", "scatter",
+               "sendrecv", "batch")
 DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32",
           "float64", "complex64", "complex128")
 OPS = ("sum", "prod", "min", "max", "avg")
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+REDUCING = ("all_reduce", "reduce_scatter", "reduce", "reduce_scatterv")
+# the largest buffer is n chunks of the count for these
+CHUNKED = ("all_gather", "reduce_scatter", "all_to_all", "all_gatherv", "all_to_allv", "reduce_scatterv",
+           "gather", "scatter")
 # lcm(3, 5, 7, 11): every value pattern below repeats after this many elements
 PERIOD = 1155
 QUICK_COUNTS = (0, 1, 1001)
@@ -248,7 +252,7 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
                     if quick or name not in BIG_DTYPES or op not in (None, "sum"):
                         continue
                     per = big_bytes // dt.itemsize
-                    if coll in ("all_gather", "reduce_scatter", "all_to_all"):
+                    if coll in CHUNKED:
                         per //= max(n, 1)
                     for mode in (modes if gi == 0 else modes[:1]):
                         cases.append(Case(coll, name, op, per | 1, g, mode))  # odd, tens of MiB
@@ -383,6 +387,75 @@ class Runner:
         if self.sync is not None:
             self.sync()
         return self.host(buf), make_data(None, dt, src, c.count)
+
+    # per-rank sizes (zero-length ranks among them), gather, scatter, sendrecv, batch
+    @staticmethod
+    def _sizes(count, n):
+        return [count * ((r + 1) % 3) // 2 for r in range(n)]
+
+    def _all_gatherv(self, c, n, grank, g):
+        dt = np_dtype(c.dtype)
+        sz = self._sizes(c.count, n)
+        x = self.dev(make_data(None, dt, grank, sz[grank]))
+        r = self._call(self.mc.all_gather, c, x, group=g, sizes="auto" if c.mode == "sync" else sz)
+        return self.host(r), np.concatenate([make_data(None, dt, i, sz[i]) for i in range(n)])
+
+    def _all_to_allv(self, c, n, grank, g):
+        dt = np_dtype(c.dtype)
+        S = [[c.count * ((i + j) % 3) // 2 for j in range(n)] for i in range(n)]
+        x = np.concatenate([make_data(None, dt, grank + n * j, S[grank][j]) for j in range(n)])
+        outs = "auto" if c.mode == "sync" else [S[i][grank] for i in range(n)]
+        r = self._call(self.mc.all_to_all, c, self.dev(x), group=g, in_splits=S[grank], out_splits=outs)
+        return self.host(r), np.concatenate([make_data(None, dt, i + n * grank, S[i][grank]) for i in range(n)])
+
+    def _reduce_scatterv(self, c, n, grank, g):
+        dt = np_dtype(c.dtype)
+        sz = self._sizes(c.count, n)
+        x = np.concatenate([make_data(c.op, dt, grank + n * j, sz[j]) for j in range(n)])
+        r = self._call(self.mc.reduce_scatter, c, self.dev(x), c.op, group=g, sizes=sz)
+        return self.host(r), reduce_keys(c.op, dt, [i + n * grank for i in range(n)], sz[grank])
+
+    def _gather(self, c, n, grank, g):
+        dt = np_dtype(c.dtype)
+        sz, root = self._sizes(c.count, n), n - 1
+        x = self.dev(make_data(None, dt, grank, sz[grank]))
+        r = self._call(self.mc.gather, c, x, root, group=g, sizes=sz)
+        if grank != root:
+            if r is not None:
+                raise _Mismatch(f"returned {type(r).__name__} on a non-root rank (expected None)")
+            return None, None
+        return self.host(r), np.concatenate([make_data(None, dt, i, sz[i]) for i in range(n)])
+
+    def _scatter(self, c, n, grank, g):
+        dt = np_dtype(c.dtype)
+        sz, root = self._sizes(c.count, n), 0
+        x = self.dev(np.concatenate([make_data(None, dt, n + j, sz[j]) for j in range(n)])) if grank == root else None
+        out = self.dev(np.empty(sz[grank], dt))
+        r = self._call(self.mc.scatter, c, x, root, out=out, group=g, sizes=sz)
+        return self.host(r), make_data(None, dt, n + grank, sz[grank])
+
+    def _sendrecv(self, c, n, grank, g):
+        """A ring where every rank sends first: sendrecv cannot deadlock."""
+        dt = np_dtype(c.dtype)
+        dst, src = (grank + 1) % n, (grank - 1) % n
+        r = self._call(self.mc.sendrecv, c, self.dev(make_data(None, dt, grank, c.count)), dst, src=src, group=g)
+        if self.sync is not None:
+            self.sync()
+        return self.host(r), make_data(None, dt, src, c.count)
+
+    def _batch(self, c, n, grank, g):
+        """A ring as one batch, every rank sending first, with an all_reduce in it."""
+        dt = np_dtype(c.dtype)
+        dst, src = (grank + 1) % n, (grank - 1) % n
+        buf = self.dev(np.empty(c.count, dt))
+        with self.mc.batch(g):
+            self.mc.send(self.dev(make_data(None, dt, grank, c.count)), dst, group=g)
+            self.mc.recv(buf, src, group=g)
+            w = self.mc.all_gather(self.dev(make_data(None, dt, grank, 1)), group=g)
+        if self.sync is not None:
+            self.sync()
+        got = np.concatenate([self.host(buf), self.host(w.wait())])
+        return got, np.concatenate([make_data(None, dt, src, c.count)] + [make_data(None, dt, i, 1) for i in range(n)])
 
     def _barrier(self, c, n, grank, g):
         self._call(self.mc.barrier, c, group=g)
