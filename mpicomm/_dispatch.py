@@ -23,9 +23,27 @@ import time
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
-from .errors import CommunicationError, invalid
+from .errors import CollectiveMismatchError, CommunicationError, invalid
 
 _now = time.perf_counter_ns
+
+
+def mpi_error(e, name, seq, group):
+    """The error for an MPI error ``e`` in collective ``name``: a truncated message means the
+    ranks' calls differ (a rank received more than it made room for) -> CollectiveMismatchError."""
+    from mpi4py import MPI
+
+    where = f"{name} sequence {seq} on group {group!r}"
+    try:
+        truncated = e.Get_error_class() == MPI.ERR_TRUNCATE
+    except Exception:
+        truncated = False
+    if truncated:
+        return CollectiveMismatchError(
+            f"{where}: MPI received a longer message than this rank's call makes room for ({e}): "
+            "the ranks called different collectives or the same one with different sizes, dtypes "
+            "or roots. Rerun with MPICOMM_DEBUG=1 to see every rank's call.")
+    return CommunicationError(f"{where} failed in MPI: {e}")
 
 
 class Dispatcher:
@@ -73,8 +91,7 @@ class Dispatcher:
             m[b + 1] = v
             m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
-                raise CommunicationError(f"{NAMES[code]} sequence {seq} on group {self.group.name!r} "
-                                         f"failed in MPI: {e}") from e
+                raise mpi_error(e, NAMES[code], seq, self.group.name) from e
             raise
         m[b + 1] = v
         if async_op:

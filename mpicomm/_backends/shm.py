@@ -28,6 +28,17 @@ passed piece k+1's barrier, that is, finished reading piece k. The piece counter
 on across calls and collectives alike, so the same holds from one collective to the
 next.
 
+Every call carries its signature (collective, element count, dtype, op or root) into
+a table in rank 0's segment before its first barrier (the tuner's Open MPI choice, which
+has no barrier of its own, gets one), and every rank compares the table after that
+barrier: calls that differ raise CollectiveMismatchError on every rank, with each rank's
+call, instead of returning a different answer on each. The table has two halves, by the
+parity of the call, so call c + 2 writes the half of call c only after every rank has
+passed call c + 1's first barrier, that is, has read it. This costs one row written and
+one n-row table read per call (docs/BENCHMARKS.md gives the measured cost). A mismatch
+in the whole-message mode (MPICOMM_SHM_PIECE=0), where the window may grow differently
+on different ranks, is found by one small allgather before the window grows.
+
 Synchronisation is ``Win.Sync`` (memory barrier; the window is in a passive-target
 epoch from ``Lock_all``) around a barrier of the window's own communicator, so it
 never matches mpicomm's other traffic on the group. With a core per rank that is
@@ -52,8 +63,9 @@ from time import perf_counter
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import invalid
+from ..errors import CollectiveMismatchError, invalid
 from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops
+from .._dtypes import FLOAT_NAMES
 
 NEVER = sys.maxsize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -80,12 +92,62 @@ EXPLORE = 16              # tuned calls after which the piece not in use is time
 ORDINARY = 0              # the tuner's third choice for all_reduce: Open MPI's own path
                           # (4x as many when it was > 1.25x slower than the best)
 _MAX_ORDINARY = 2 ** 31 - 1  # elements: Open MPI's count is a C int
-_HDR = 64                 # bytes after the two buffers of a segment: the tuner's two slots
+_TUNER = 16               # bytes after the two buffers of rank 0's segment: the tuner's two slots,
+_SIGW = 8                 # then the signature table: 2 halves x n rows of _SIGW int64 (a cache line)
 _WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
 _MPI_OPS = mpi_ops()
 _OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
+_OPS = tuple(ReduceOp)
+_DTYPE_IDS = {}           # dtype -> the int that stands for it in a signature
+_DTYPE_NAMES = {}
+
+
+def _dtype_id(dt):
+    """A number for dtype ``dt``, the same on every rank (from its name, not from NumPy's
+    type numbers, which registered types such as bfloat16 get in import order)."""
+    i = _DTYPE_IDS.get(dt)
+    if i is None:
+        i = _DTYPE_IDS[dt] = _name_id(dt.name)
+    return i
+
+
+def _name_id(name):
+    import zlib
+
+    i = zlib.crc32(name.encode()) + 1
+    _DTYPE_NAMES[i] = name
+    return i
+
+
+for _name in FLOAT_NAMES + ("int8", "uint8", "int32", "uint32", "int64", "uint64"):
+    _name_id(_name)   # the names of other ranks' dtypes, for the error
+
+
+def signature(name, x, op_or_root):
+    """(collective, element count, dtype, op or root) of a call, as ints."""
+    a = _OPS.index(op_or_root) if isinstance(op_or_root, ReduceOp) else \
+        (-1 if op_or_root is None else 100 + op_or_root)
+    return (COLLECTIVES.index(name) + 1, x.size, _dtype_id(x.dtype), a)
+
+
+def describe(sig):
+    code, count, dt, a = sig[:4]
+    name = COLLECTIVES[code - 1] if 0 < code <= len(COLLECTIVES) else f"collective #{code}"
+    what = f"{name} of {count} x {_DTYPE_NAMES.get(dt, f'dtype #{dt}')}"
+    if 0 <= a < len(_OPS):
+        return f"{what}, op {_OPS[a].value}"
+    return f"{what}, root {a - 100}" if a >= 100 else what
+
+
+def mismatch_error(rows, where):
+    """CollectiveMismatchError listing each rank's call (the same text on every rank)."""
+    calls = "; ".join(f"rank {j}: {describe(s)}" for j, s in enumerate(rows))
+    return CollectiveMismatchError(
+        f"the ranks of the group called different collectives {where}: {calls}. Every rank must "
+        "make the same call (collective, element count, dtype, op or root); rerun with "
+        "MPICOMM_DEBUG=1 to check every call's arguments across ranks.")
 
 
 def _bytes(name, text):
@@ -148,6 +210,8 @@ class ShmGroup:
         self.set_piece(piece)             # self.piece: cap on the bytes of one buffer;
         #                                   self.ordinary: the tuner chose Open MPI's path
         self.hdr = None                   # rank 0's two tuner slots (int64), in the window
+        self.sigs = None                  # sigs[c & 1][j]: rank j's signature of call c (int64 rows)
+        self.nsig = 0                     # calls run so far (same on every rank)
         self.tc = 0                       # tuned all_reduce calls so far (same on all ranks)
         self._stats = {}                  # rank 0: size class -> {piece: [s/byte, tc]}
         self.win = None
@@ -206,10 +270,11 @@ class ShmGroup:
         if self.cands:
             target = max(self.cands)      # any candidate fits, whichever the tuner picks
         seg = _round(max(need, target), 4096)
+        hdr = _round(_TUNER + 2 * self.size * _SIGW * 8)
         self._free_win()
         win, err = None, None
         try:
-            win = MPI.Win.Allocate_shared(2 * seg + _HDR, 1, MPI.INFO_NULL, self.comm)
+            win = MPI.Win.Allocate_shared(2 * seg + hdr, 1, MPI.INFO_NULL, self.comm)
         except MPI.Exception as e:
             err = e
         if not self.comm.allreduce(err is None, op=MPI.LAND):
@@ -220,16 +285,18 @@ class ShmGroup:
         views = []
         for j in range(self.size):
             buf, _ = win.Shared_query(j)
-            views.append(np.frombuffer(buf, np.uint8, 2 * seg + _HDR))
+            views.append(np.frombuffer(buf, np.uint8, 2 * seg + hdr))
         self.bufs = [[v[:seg] for v in views], [v[seg:2 * seg] for v in views]]
-        self.hdr = views[0][2 * seg:2 * seg + 16].view(np.int64)
+        self.hdr = views[0][2 * seg:2 * seg + _TUNER].view(np.int64)
+        self.sigs = views[0][2 * seg + _TUNER:2 * seg + _TUNER + 2 * self.size * _SIGW * 8] \
+            .view(np.int64).reshape(2, self.size, _SIGW)
         self.win, self.seg = win, seg
         self.grows += 1
         return True
 
     def _free_win(self):
         if self.win is not None:
-            self.bufs = self.hdr = None
+            self.bufs = self.hdr = self.sigs = None
             self.win.Unlock_all()
             self.win.Free()            # collective, and a barrier: no peer reads it after
             self.win, self.seg = None, 0
@@ -241,10 +308,20 @@ class ShmGroup:
             self.comm = None
 
     # ----------------------------------------------------------- driving
-    def run(self, name, gen):
-        """Run collective generator ``gen`` to the end (it yields at every barrier), blocking."""
+    def run(self, name, gen, sig):
+        """Run collective generator ``gen`` to the end (it yields at every barrier), blocking.
+
+        ``sig`` is the call's signature (:func:`signature`): written into this rank's row
+        of the table before the first barrier, compared with every rank's after it.
+        """
         self.calls[name] += 1
         win = self.win
+        c = self.nsig
+        self.nsig = c + 1
+        tab = self.sigs[c & 1]
+        r = self.rank
+        tab[r, :5] = sig + (self.k,)
+        first = True
         if self.crowded:
             ibar, yld = self.comm.Ibarrier, os.sched_yield
             for _ in gen:
@@ -253,12 +330,30 @@ class ShmGroup:
                 while not req.Test():
                     yld()
                 win.Sync()
+                if first:
+                    first = False
+                    self._check(tab, gen)
         else:
             bar = self.comm.Barrier
             for _ in gen:
                 win.Sync()
                 bar()
                 win.Sync()
+                if first:
+                    first = False
+                    self._check(tab, gen)
+
+    def _check(self, tab, gen):
+        """After the call's first barrier: raise on every rank alike if the ranks' signatures
+        differ. The calls stop there, before anyone reads a peer's buffer; the piece counter
+        is set alike on every rank (their calls may have started different numbers of pieces)."""
+        rows = tab.tolist()
+        mine = rows[self.rank][:4]
+        for row in rows:
+            if row[:4] != mine:
+                gen.close()
+                self.k = max(row[4] for row in rows) + 1
+                raise mismatch_error(rows, "on the shared-memory path")
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
@@ -285,8 +380,9 @@ class ShmGroup:
         return gen
 
     def _ordinary(self, x, o, info, op):
-        """Open MPI's all_reduce over the group (a generator with no barrier: the call is
-        the synchronisation)."""
+        """Open MPI's all_reduce over the group (a generator with one barrier before it, where
+        the signatures are compared)."""
+        yield
         mop = _MPI_OPS[op]
         if o is x:
             self.comm.Allreduce(MPI.IN_PLACE, [o, info.mpi], mop)
@@ -294,8 +390,6 @@ class ShmGroup:
             self.comm.Allreduce([x, info.mpi], [o, info.mpi], mop)
         if op is ReduceOp.AVG:
             np.divide(o, self.size, out=o)
-        return
-        yield  # pragma: no cover
 
     # ----------------------------------------------------------- piece tuner
     def _tune(self, gen, nbytes, used, ordinary_ok, inplace):
@@ -326,7 +420,7 @@ class ShmGroup:
             yield
             if nxt is None:
                 nxt = int(hdr[slot])
-        if nxt is None:  # the ordinary path: no barrier, its Allreduce synchronised
+        if nxt is None:  # (every choice has a barrier: not reached)
             self.win.Sync()
             nxt = int(hdr[slot])
         if self.rank == 0:
@@ -539,33 +633,50 @@ class ShmPath:
             self.group.close()
             self.group = None
 
-    def _go(self, g, name, gen, o):
+    def _go(self, g, name, gen, o, sig):
         if gen is None:              # the window could not grow (on every rank alike)
             self.disable()
             return None
-        g.run(name, gen)
+        g.run(name, gen, sig)
         return o
+
+    @staticmethod
+    def _whole(g, sig):
+        """One piece per message (MPICOMM_SHM_PIECE=0): the window grows to the message, so
+        ranks whose calls differ could disagree on growing it; compare before (an allgather)."""
+        if g.piece >= _WHOLE:
+            rows = g.comm.allgather(sig)
+            if any(s != sig for s in rows):
+                raise mismatch_error(rows, "on the shared-memory path")
 
     def all_reduce(self, x, o, row, op):
         g = self.open()
         if g is None or x.nbytes < self.min_all_reduce:   # (raised when the group opened)
             return None
-        return self._go(g, "all_reduce", g.all_reduce(x, o, row, op), o)
+        sig = signature("all_reduce", x, op)
+        self._whole(g, sig)
+        return self._go(g, "all_reduce", g.all_reduce(x, o, row, op), o, sig)
 
     def reduce_scatter(self, x, o, row, op):
         g = self.open()
         if g is None:
             return None
-        return self._go(g, "reduce_scatter", g.reduce_scatter(x, o, row, op), o)
+        sig = signature("reduce_scatter", x, op)
+        self._whole(g, sig)
+        return self._go(g, "reduce_scatter", g.reduce_scatter(x, o, row, op), o, sig)
 
     def all_gather(self, x, o):
         g = self.open()
         if g is None:
             return None
-        return self._go(g, "all_gather", g.all_gather(x, o), o)
+        sig = signature("all_gather", x, None)
+        self._whole(g, sig)
+        return self._go(g, "all_gather", g.all_gather(x, o), o, sig)
 
     def broadcast(self, h, root):
         g = self.open()
         if g is None:
             return None
-        return self._go(g, "broadcast", g.broadcast(h, root), h)
+        sig = signature("broadcast", h, root)
+        self._whole(g, sig)
+        return self._go(g, "broadcast", g.broadcast(h, root), h, sig)
