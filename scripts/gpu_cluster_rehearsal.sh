@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# A two-host GPU job rehearsed on one machine: two "hosts" in network + UTS namespaces,
+# each with its own host name, address and half of the GPUs, ranks started on the second
+# host through Open MPI's rsh agent (no ssh, no `ip` needed), NCCL between the hosts over
+# TCP sockets on a veth pair, as between two machines without InfiniBand.
+#
+#   scripts/gpu_cluster_rehearsal.sh [run]        up, every step below, down (logs in $OUT)
+#   scripts/gpu_cluster_rehearsal.sh up           make the hosts; prints the hostfile path
+#   scripts/gpu_cluster_rehearsal.sh exec HOST CMD [ARGS...]
+#                                                 run CMD "on" HOST with the job's variables
+#   scripts/gpu_cluster_rehearsal.sh down         remove everything "up" made (safe to repeat)
+#
+# The hosts: gpuhost1 (10.78.0.1) and gpuhost2 (10.78.0.2), each a process ("holder")
+# that sleeps in its own network and UTS namespaces; a veth pair named mpc0 on both ends
+# joins them (made through netlink by scripts/netns_link.py: the standard library only).
+# mpicomm-run starts on gpuhost1 with the hostfile naming both; Open MPI starts the ranks
+# on gpuhost2 through the agent $STATE/rsh_agent, which enters gpuhost2's namespaces with
+# nsenter where ssh would log in. Each host sees its own GPUs only: the rank wrapper
+# $STATE/host_gpus sets CUDA_VISIBLE_DEVICES from the host name (gpuhost1: the first
+# half, gpuhost2: the second), as each machine of a real cluster sees its own GPUs; with
+# no GPU, every step runs on the MPI backend instead (that is how it is tested on CPUs).
+#
+# NCCL tells hosts apart by a hash of the host name, so ranks on different hosts talk
+# through its network transport (NET/Socket on mpc0), never through NVLink, PCIe P2P or
+# shared memory; within a host they use NVLink as on one machine. Needs root, unshare and
+# nsenter (util-linux), python3. Variables: OUT (logs, default ./out), PY (python3),
+# MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
+# (10.78.0), QUICK=1 (smaller sizes everywhere).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+SELF=$ROOT/scripts/gpu_cluster_rehearsal.sh
+STATE=${MPICOMM_REHEARSAL_STATE:-/run/mpicomm-rehearsal}
+PREFIX=${MPICOMM_REHEARSAL_PREFIX:-10.78.0}
+IFNAME=mpc0
+HOSTS=(gpuhost1 gpuhost2)
+PY=${PY:-python3}
+
+die() { echo "gpu_cluster_rehearsal.sh: $*" >&2; exit 1; }
+
+holder_pid() {  # the pid of HOST's holder if it is alive, else nothing
+    local f="$STATE/$1.pid" pid
+    [[ -r $f ]] || return 0
+    pid=$(cat "$f")
+    [[ -n $pid && -r /proc/$pid/ns/net ]] && [[ $(readlink "/proc/$pid/ns/net") != "$(readlink /proc/self/ns/net)" ]] \
+        && echo "$pid"
+}
+
+cmd_down() {
+    local host pid ns p
+    for host in "${HOSTS[@]}"; do
+        pid=$(holder_pid "$host")
+        [[ -n $pid ]] || continue
+        ns=$(readlink "/proc/$pid/ns/net")
+        # Everything still inside the host (ranks, orted/prted) goes with it.
+        for p in /proc/[0-9]*; do
+            [[ $(readlink "$p/ns/net" 2>/dev/null) == "$ns" ]] && kill -9 "${p#/proc/}" 2>/dev/null
+        done
+    done
+    rm -rf "$STATE"
+    return 0
+}
+
+gpu_count() {
+    if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' ; else echo 0; fi
+}
+
+cmd_up() {
+    [[ $(id -u) -eq 0 ]] || die "must run as root (it creates network namespaces); uid is $(id -u)"
+    command -v unshare >/dev/null || die "'unshare' not found (util-linux)"
+    command -v nsenter >/dev/null || die "'nsenter' not found (util-linux)"
+    "$PY" -c 'import socket' 2>/dev/null || die "no Python at PY=$PY"
+    cmd_down
+    mkdir -p "$STATE" && chmod 700 "$STATE"
+    local i host pid
+    for i in "${!HOSTS[@]}"; do
+        host=${HOSTS[$i]}
+        # The holder keeps the namespaces alive; its host name is the host's.
+        unshare --net --uts -- sh -c 'hostname "$1" && exec sleep infinity' sh "$host" \
+            </dev/null >/dev/null 2>&1 &
+        echo $! >"$STATE/$host.pid"
+        disown $!
+    done
+    for host in "${HOSTS[@]}"; do
+        for _ in $(seq 50); do
+            pid=$(holder_pid "$host")
+            [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] && break
+            sleep 0.1
+        done
+        [[ -n $(holder_pid "$host") ]] || { cmd_down; die "could not create namespaces for $host (unshare --net --uts)"; }
+    done
+    "$PY" scripts/netns_link.py veth "$IFNAME" "$(holder_pid "${HOSTS[0]}")" "$(holder_pid "${HOSTS[1]}")" \
+        || { cmd_down; die "could not make the veth pair"; }
+    for i in "${!HOSTS[@]}"; do
+        nsenter -t "$(holder_pid "${HOSTS[$i]}")" -n -- "$PY" scripts/netns_link.py addr "$IFNAME" "$PREFIX.$((i + 1))/24" \
+            || { cmd_down; die "could not give ${HOSTS[$i]} its address"; }
+    done
+
+    # Open MPI's rsh agent: "AGENT [options] HOST COMMAND..." runs COMMAND on HOST, as
+    # ssh would (through a shell). Here: inside HOST's namespaces.
+    cat >"$STATE/rsh_agent" <<EOF
+#!/bin/bash
+while [[ \${1:-} == -* ]]; do shift; done
+host=\$1; shift
+pidfile="$STATE/\$host.pid"
+[[ -r \$pidfile ]] || { echo "rsh_agent: unknown host '\$host' (no \$pidfile)" >&2; exit 255; }
+exec nsenter -t "\$(cat "\$pidfile")" -n -u --wd="\$HOME" -- /bin/bash -c "\$*"
+EOF
+    # Each host sees its half of the GPUs, chosen by its host name.
+    local ngpu half
+    ngpu=${NGPU:-$(gpu_count)}
+    half=$((ngpu / 2))
+    {
+        echo '#!/bin/bash'
+        echo '# Rank wrapper: CUDA_VISIBLE_DEVICES of the host this rank runs on, then the command.'
+        if ((half > 0)); then
+            echo 'case $(hostname) in'
+            echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) ;;"
+            echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(seq -s, "$half" $((2 * half - 1))) ;;"
+            echo 'esac'
+        fi
+        echo 'exec "$@"'
+    } >"$STATE/host_gpus"
+    chmod 755 "$STATE/rsh_agent" "$STATE/host_gpus"
+    {
+        echo "# written by scripts/gpu_cluster_rehearsal.sh: 2 hosts x 2 ranks"
+        for host in "${HOSTS[@]}"; do echo "$host slots=2"; done
+    } >"$STATE/hostfile"
+    # What every command on the hosts runs with (cmd_exec sources it).
+    cat >"$STATE/env.sh" <<EOF
+# Open MPI 4: start remote daemons through the agent (this overrides an OMPI_MCA_plm=isolated).
+export OMPI_MCA_plm=rsh OMPI_MCA_plm_rsh_agent=$STATE/rsh_agent OMPI_MCA_plm_rsh_no_tree_spawn=1
+# Open MPI 5 (PRRTE) names the same things plm ssh.
+export PRTE_MCA_plm=ssh PRTE_MCA_plm_ssh_agent=$STATE/rsh_agent PRTE_MCA_plm_ssh_no_tree_spawn=1
+# MPI between hosts over TCP on the veth, as between machines without InfiniBand.
+export OMPI_MCA_pml=ob1 OMPI_MCA_btl_tcp_if_include=$IFNAME OMPI_MCA_oob_tcp_if_include=$IFNAME
+export PRTE_MCA_oob_tcp_if_include=$IFNAME
+# NCCL between hosts: TCP sockets on the veth; no InfiniBand, no multi-node NVLink, no NVLS.
+export NCCL_SOCKET_IFNAME=$IFNAME NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0 NCCL_NVLS_ENABLE=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 SHELL=/bin/bash
+export PYTHONPATH=$ROOT\${PYTHONPATH:+:\$PYTHONPATH}
+# Each host's GPUs come from host_gpus on that host; a value here would go to every rank.
+unset CUDA_VISIBLE_DEVICES
+EOF
+    # Each host must reach the other before we say "up".
+    local from to
+    for from in 0 1; do
+        to=$((1 - from))
+        nsenter -t "$(holder_pid "${HOSTS[$from]}")" -n -- "$PY" -c "import socket, sys
+s = socket.socket(); s.settimeout(5)
+try:
+    s.connect(('$PREFIX.$((to + 1))', 9))
+except ConnectionRefusedError:
+    pass  # the host answered: nothing listens on that port
+except OSError as e:
+    sys.exit(f'{e}')" || { cmd_down; die "${HOSTS[$from]} cannot reach ${HOSTS[$to]} at $PREFIX.$((to + 1))"; }
+    done
+    echo "$STATE/hostfile"
+}
+
+cmd_exec() {
+    local host=$1; shift
+    [[ $# -gt 0 ]] || die "exec: give a command, e.g. exec ${HOSTS[0]} hostname"
+    local pid
+    pid=$(holder_pid "$host")
+    [[ -n $pid ]] || die "exec: $host is not up; run: $0 up"
+    nsenter -t "$pid" -n -u --wd="$PWD" -- /bin/bash -c 'source "$1"; shift; exec "$@"' bash "$STATE/env.sh" "$@"
+}
+
+# ----------------------------------------------------------------------------- run
+step() {  # step NAME LIMIT_S CMD...: a line in the summary, everything in the log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS rc
+    echo "======== $name (limit ${limit}s): $*" >>"$LOG"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    printf '%-30s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUM"
+    return $rc
+}
+
+expect_failure() {  # expect_failure NAME LIMIT_S PATTERN CMD...: must fail; its message into the summary
+    local name=$1 limit=$2 pattern=$3; shift 3
+    local t0=$SECONDS rc out
+    out=$(mktemp)
+    echo "======== $name (limit ${limit}s, expected to fail): $*" >>"$LOG"
+    timeout -k 10 "$limit" "$@" >"$out" 2>&1
+    rc=$?
+    cat "$out" >>"$LOG"
+    printf '%-30s rc=%-3s %4ss (expected to fail)\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUM"
+    grep -a -E -m 3 "$pattern" "$out" | cut -c1-300 | sed 's/^/    /' | tee -a "$SUM"
+    rm -f "$out"
+    [[ $rc != 0 ]]
+}
+
+cmd_run() {
+    OUT=${OUT:-$ROOT/out}
+    mkdir -p "$OUT"
+    LOG=$OUT/cluster_log.txt SUM=$OUT/cluster_summary.txt
+    local res=$OUT/cluster_res
+    mkdir -p "$res"
+    : >"$LOG"; : >"$SUM"
+    trap 'cmd_down' EXIT
+    trap 'exit 130' INT TERM
+    # Test plugins missing on the machine come as wheels in .whl/ (as in gpu_suite.sh).
+    if ! "$PY" -c "import pytest_mpi, pytest_timeout" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+            $(ls .whl/pytest_mpi-*.whl .whl/pytest_timeout-*.whl .whl/ml_dtypes-*.whl 2>/dev/null) >/dev/null 2>&1
+        export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
+    fi
+    local ngpu; ngpu=${NGPU:-$(gpu_count)}
+    {
+        echo "date: $(date -u +%FT%TZ)  machine: $(nproc) cores, $ngpu GPU(s)"
+        nvidia-smi -L 2>/dev/null
+        "$PY" -c "import sys, mpi4py; from mpi4py import MPI
+print('python', sys.version.split()[0], 'mpi4py', mpi4py.__version__, '|', MPI.Get_library_version().replace(chr(0), '').splitlines()[0])
+try:
+    import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())
+except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
+    } >>"$SUM" 2>&1
+    local t_up=$SECONDS
+    cmd_up >>"$LOG" 2>&1 || { echo "up failed; see $LOG" | tee -a "$SUM"; tail -5 "$LOG"; return 1; }
+    echo "hosts up in $((SECONDS - t_up))s: ${HOSTS[0]} $PREFIX.1, ${HOSTS[1]} $PREFIX.2 (veth $IFNAME); GPUs: $(grep -o '[a-z0-9]*) export CUDA_VISIBLE_DEVICES=[0-9,]*' "$STATE/host_gpus" | tr '\n' ' ')" | tee -a "$SUM"
+
+    local gpu=0 backend=mpi
+    if ((ngpu >= 4)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1 backend=nccl; fi
+    # mpicomm-run on the first host, the hostfile naming both; every rank starts through
+    # host_gpus (its host's GPUs), then Python under mpi4py (an exception ends the job).
+    local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n 4)
+    local -a PYR=("$STATE/host_gpus" "$PY" -m mpi4py)
+    local -a PYT=(-m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi -x)
+    local q=${QUICK:-0}
+
+    step "doctor-net" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net
+    timeout -k 10 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net --net-iters 200 --json \
+        >"$res/doctor_net.json" 2>>"$LOG"
+    printf '%-30s rc=%-3s\n' "doctor-net-json" "$?" | tee -a "$SUM"
+    if ((gpu)); then
+        step "gpu-tests-np4" 240 "${RUN[@]}" --timeout 230 "${PYR[@]}" "${PYT[@]}" tests/test_gpu.py
+        step "smoke-nccl-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl
+    else
+        step "mpi-tests-np4" 300 "${RUN[@]}" --timeout 290 "${PYR[@]}" "${PYT[@]}" tests/test_collectives.py
+        step "smoke-mpi-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --quick
+    fi
+    step "train-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" scripts/train_data_parallel.py --min-accuracy 0.9
+    local top=1G f=8 reps=(-w 2 --rounds 2)
+    ((gpu)) || top=4M
+    ((q)) && top=1M
+    local c
+    for c in all_reduce all_gather reduce_scatter broadcast; do
+        step "bench-$c" 120 "${RUN[@]}" --timeout 110 "${PYR[@]}" -m mpicomm.tools.bench --backend "$backend" \
+            --compare --coll "$c" -b 8 -e "$top" -f "$f" -n 0 --target-time 0.2 "${reps[@]}" --json "$res/bench_$c.json"
+    done
+    local bn=(-n 5 -w 2 --rounds 2)
+    if ((!gpu)); then  # CPUs: the first 60 ResNet-50 tensors (5.6 MB), not all 102 MB
+        head -n 60 mpicomm/tools/bench/data/resnet50_grad_shapes.txt >"$STATE/shapes_cpu.txt"
+        bn=(-n 2 -w 1 --rounds 1 --shapes "$STATE/shapes_cpu.txt")
+    fi
+    step "bench-buckets" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.bench --backend "$backend" \
+        --compare --coll buckets "${bn[@]}" --json "$res/bench_buckets.json"
+
+    # The likely failures, on purpose, so that their messages are on record.
+    if ((gpu)); then
+        expect_failure "fail-wrong-ifname" 60 "NCCL WARN|rror" "${RUN[@]}" --timeout 45 \
+            -x NCCL_SOCKET_IFNAME=eth9 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl --quick --collectives all_reduce
+        printf '#!/bin/bash\ncase $(hostname) in %s) export CUDA_VISIBLE_DEVICES= ;; *) export CUDA_VISIBLE_DEVICES=0,1 ;; esac\nexec "$@"\n' \
+            "${HOSTS[1]}" >"$STATE/host_gpus_none"
+        chmod 755 "$STATE/host_gpus_none"
+        expect_failure "fail-no-gpus-on-host2" 60 "PROBLEM" "${RUN[@]}" --timeout 45 \
+            "$STATE/host_gpus_none" "$PY" -m mpi4py -m mpicomm.tools.doctor
+        expect_failure "fail-no-gpus-nccl" 60 "rror" "${RUN[@]}" --timeout 45 \
+            "$STATE/host_gpus_none" "$PY" -m mpi4py -m mpicomm.tools.smoke --backend nccl --quick --collectives all_reduce
+    else
+        expect_failure "fail-wrong-btl-if" 60 "rror|nable|WARN|not" "${RUN[@]}" --timeout 45 \
+            -x OMPI_MCA_btl_tcp_if_include=eth9 "${PYR[@]}" -m mpicomm.tools.smoke --quick --collectives all_reduce
+    fi
+    cmd_exec "${HOSTS[1]}" "$PY" scripts/netns_link.py down "$IFNAME"
+    expect_failure "fail-host2-unreachable" 60 "rror|nable|lost|ran longer|not" "${RUN[@]}" --timeout 30 \
+        "${PYR[@]}" -m mpicomm.tools.doctor
+    cmd_exec "${HOSTS[1]}" "$PY" scripts/netns_link.py up "$IFNAME"
+
+    tar -czf "$OUT/cluster_results.tgz" -C "$OUT" cluster_res && rm -rf "$res"
+    local failed
+    failed=$(grep -a -v 'expected to fail' "$SUM" | grep -a -c 'rc=[1-9]')
+    echo "done in ${SECONDS}s: $failed step(s) failed; summary $SUM, log $LOG, JSON in $OUT/cluster_results.tgz" | tee -a "$SUM"
+    [[ $failed == 0 ]]
+}
+
+case ${1:-run} in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    exec)
+        shift
+        [[ $# -ge 1 ]] || die "exec: give a host (${HOSTS[*]}) and a command"
+        [[ " ${HOSTS[*]} " == *" $1 "* ]] || die "exec: unknown host '$1' (known: ${HOSTS[*]})"
+        cmd_exec "$@" ;;
+    run) cmd_run ;;
+    *) echo "usage: $0 [run|up|down|exec HOST CMD [ARGS...]]" >&2; exit 2 ;;
+esac
