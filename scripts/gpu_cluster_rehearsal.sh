@@ -73,11 +73,17 @@ cmd_up() {
     cmd_down
     mkdir -p "$STATE" && chmod 700 "$STATE"
     local i host pid
+    {
+        printf '127.0.0.1\tlocalhost\n'
+        for i in "${!HOSTS[@]}"; do printf '%s\t%s\n' "$PREFIX.$((i + 1))" "${HOSTS[$i]}"; done
+    } >"$STATE/hosts"
     for i in "${!HOSTS[@]}"; do
         host=${HOSTS[$i]}
-        # The holder keeps the namespaces alive; its host name is the host's.
-        unshare --net --uts -- sh -c 'hostname "$1" && exec sleep infinity' sh "$host" \
-            </dev/null >/dev/null 2>&1 &
+        # The holder keeps the namespaces alive: its host name is the host's, and in its
+        # mount namespace /etc/hosts names both hosts (the machine's own file is untouched).
+        unshare --net --uts --mount --propagation private -- sh -c \
+            'mount --bind "$2" /etc/hosts && hostname "$1" && exec sleep infinity' sh "$host" "$STATE/hosts" \
+            </dev/null >"$STATE/$host.holder.log" 2>&1 &
         echo $! >"$STATE/$host.pid"
         disown $!
     done
@@ -87,7 +93,10 @@ cmd_up() {
             [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] && break
             sleep 0.1
         done
-        [[ -n $(holder_pid "$host") ]] || { cmd_down; die "could not create namespaces for $host (unshare --net --uts)"; }
+        pid=$(holder_pid "$host")
+        [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] || {
+            cat "$STATE/$host.holder.log" >&2; cmd_down
+            die "could not create namespaces for $host (unshare --net --uts --mount, mount --bind)"; }
     done
     "$PY" scripts/netns_link.py veth "$IFNAME" "$(holder_pid "${HOSTS[0]}")" "$(holder_pid "${HOSTS[1]}")" \
         || { cmd_down; die "could not make the veth pair"; }
@@ -104,7 +113,7 @@ while [[ \${1:-} == -* ]]; do shift; done
 host=\$1; shift
 pidfile="$STATE/\$host.pid"
 [[ -r \$pidfile ]] || { echo "rsh_agent: unknown host '\$host' (no \$pidfile)" >&2; exit 255; }
-exec nsenter -t "\$(cat "\$pidfile")" -n -u --wd="\$HOME" -- /bin/bash -c "\$*"
+exec nsenter -t "\$(cat "\$pidfile")" -n -u -m --wd="\$HOME" -- /bin/bash -c "\$*"
 EOF
     # Each host sees its half of the GPUs, chosen by its host name.
     local ngpu half
@@ -164,7 +173,7 @@ cmd_exec() {
     local pid
     pid=$(holder_pid "$host")
     [[ -n $pid ]] || die "exec: $host is not up; run: $0 up"
-    nsenter -t "$pid" -n -u --wd="$PWD" -- /bin/bash -c 'source "$1"; shift; exec "$@"' bash "$STATE/env.sh" "$@"
+    nsenter -t "$pid" -n -u -m --wd="$PWD" -- /bin/bash -c 'source "$1"; shift; exec "$@"' bash "$STATE/env.sh" "$@"
 }
 
 # ----------------------------------------------------------------------------- run
