@@ -59,6 +59,38 @@ def mpi_ops():
     return {op: getattr(MPI, m) for op, m, _, _ in _ROWS}
 
 
+_NAN_OPS = {}
+
+
+def nan_mpi_ops():
+    """ReduceOp -> mpi4py op for floating dtypes: MIN and MAX are np.minimum / np.maximum
+    (a NaN in any rank's element makes that element NaN, as NumPy and the shared-memory path
+    do; MPI's own MIN/MAX leave NaN to the implementation: Open MPI keeps or drops it by
+    the order it combines the ranks in), the others MPI's own."""
+    from mpi4py import MPI
+
+    if not _NAN_OPS:
+        from mpi4py.util.dtlib import to_numpy_dtype
+
+        def make(ufunc):
+            types = {}
+
+            def fn(inbuf, inoutbuf, datatype):
+                dt = types.get(datatype.handle)
+                if dt is None:
+                    dt = types[datatype.handle] = to_numpy_dtype(datatype)
+                b = np.frombuffer(inoutbuf, dt)
+                with np.errstate(invalid="ignore"):   # a NaN operand is not an error here
+                    ufunc(np.frombuffer(inbuf, dt), b, out=b)
+
+            return MPI.Op.Create(fn, commute=True)
+
+        _NAN_OPS.update(mpi_ops())
+        _NAN_OPS[ReduceOp.MIN] = make(np.minimum)
+        _NAN_OPS[ReduceOp.MAX] = make(np.maximum)
+    return _NAN_OPS
+
+
 def nccl_ops(nccl):
     """ReduceOp -> ncclRedOp_t, from CuPy's nccl module."""
     return {op: getattr(nccl, name, value) for op, _, (name, value), _ in _ROWS}

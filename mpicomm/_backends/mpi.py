@@ -14,7 +14,7 @@ from mpi4py import MPI
 from .._arrays import check_out, check_writable, host_out, overlap_error, same_memory, to_host, write_back
 from .._dtypes import of_numpy
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER, RECV,
-                    SCATTER, SENDRECV, ReduceOp, check_op_dtype, mpi_ops)
+                    SCATTER, SENDRECV, ReduceOp, check_op_dtype, mpi_ops, nan_mpi_ops)
 from ..errors import invalid
 from . import bigcount
 from .base import Backend, DoneWork, Prepared, Work
@@ -84,6 +84,7 @@ class MPITransport:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._mop = mpi_ops()
+        self._fop = nan_mpi_ops()   # floating dtypes: MIN/MAX propagate NaN (np.minimum/np.maximum)
         self.shm = ShmPath(comm)   # the one-host shared-memory strategy (opened at first use)
         self._prepare = {ALL_REDUCE: self._prepare_all_reduce, ALL_GATHER: self._prepare_all_gather,
                          REDUCE_SCATTER: self._prepare_reduce_scatter, BROADCAST: self._prepare_broadcast,
@@ -105,6 +106,10 @@ class MPITransport:
         pass
 
     # ----------------------------------------------------------- shared steps
+    def _ops(self, row):
+        """ReduceOp -> MPI op for dtype row ``row``: on floats MIN/MAX propagate NaN."""
+        return self._fop if row.floating or row.upcast else self._mop
+
     def _root(self, root, arg="root"):
         if type(root) is not int or not 0 <= root < self.size:
             if isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= root < self.size:
@@ -188,7 +193,7 @@ class MPITransport:
         check_op_dtype(op, row)
         self._check_role(x, out, xh, xh.shape, "all_reduce keeps the shape")
         comm, n, shm, shape, dtype = self.comm, self.size, self.shm, xh.shape, xh.dtype
-        mop, dt, nbytes, size = self._mop[op], row.mpi, xh.nbytes, xh.size
+        mop, dt, nbytes, size = self._ops(row)[op], row.mpi, xh.nbytes, xh.size
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast = op is _AVG, row.upcast
         nd = _divisor(row, n)   # AVG's n as a NumPy scalar of the array's type (a cheaper divide)
@@ -353,7 +358,7 @@ class MPITransport:
         if xh.ndim == 0 or xh.shape[0] % n:
             raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n} "
                           "(reduce_scatter splits axis 0 into one chunk per rank)")
-        shape, dtype, dt, mop = xh.shape, xh.dtype, row.mpi, self._mop[op]
+        shape, dtype, dt, mop = xh.shape, xh.dtype, row.mpi, self._ops(row)[op]
         oshape = (shape[0] // n,) + shape[1:]
         slot = self._slot_scatter
         self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0", slot)
@@ -417,7 +422,7 @@ class MPITransport:
         """Reduce-scatter of a contiguous host array (the pieces of a large call)."""
         row = of_numpy(a.dtype)
         o = np.empty((a.size // self.size,), a.dtype)
-        self.comm.Reduce_scatter_block([a, row.mpi], [o, row.mpi], self._mop[op])
+        self.comm.Reduce_scatter_block([a, row.mpi], [o, row.mpi], self._ops(row)[op])
         if op is _AVG:
             np.divide(o, self.size, out=o)
         return o
@@ -472,7 +477,7 @@ class MPITransport:
         row = of_numpy(xh.dtype)
         check_op_dtype(op, row)
         self._check_role(x, out, xh, xh.shape, "reduce keeps the shape")  # alike on every rank
-        comm, n, shape, dtype, dt, mop = self.comm, self.size, xh.shape, xh.dtype, row.mpi, self._mop[op]
+        comm, n, shape, dtype, dt, mop = self.comm, self.size, xh.shape, xh.dtype, row.mpi, self._ops(row)[op]
         is_root = self.rank == root
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast, size = op is _AVG, row.upcast, xh.size
@@ -517,7 +522,7 @@ class MPITransport:
     def reduce_host(self, a, o, op, root):
         row = of_numpy(a.dtype)
         sb = MPI.IN_PLACE if o is not None and np.shares_memory(a, o) else [a, row.mpi]
-        self.comm.Reduce(sb, [o, row.mpi] if o is not None else None, self._mop[op], root)
+        self.comm.Reduce(sb, [o, row.mpi] if o is not None else None, self._ops(row)[op], root)
         if op is _AVG and o is not None:
             np.divide(o, self.size, out=o)
 
@@ -662,7 +667,7 @@ class MPITransport:
         self._axis0(xh, "reduce_scatter")
         row = of_numpy(xh.dtype)
         check_op_dtype(op, row)
-        n, rank, comm, dt, dtype, mop = self.size, self.rank, self.comm, row.mpi, xh.dtype, self._mop[op]
+        n, rank, comm, dt, dtype, mop = self.size, self.rank, self.comm, row.mpi, xh.dtype, self._ops(row)[op]
         if sum(sizes) != xh.shape[0]:
             raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {xh.shape[0]} "
                           "(reduce_scatter gives rank i sizes[i] rows of the reduced x)")

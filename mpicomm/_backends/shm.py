@@ -64,7 +64,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveMismatchError, invalid
-from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops
+from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
 from .._dtypes import FLOAT_NAMES
 
 NEVER = sys.maxsize
@@ -383,7 +383,7 @@ class ShmGroup:
         """Open MPI's all_reduce over the group (a generator with one barrier before it, where
         the signatures are compared)."""
         yield
-        mop = _MPI_OPS[op]
+        mop = (nan_mpi_ops() if info.floating else _MPI_OPS)[op]   # MIN/MAX propagate NaN, as here
         if o is x:
             self.comm.Allreduce(MPI.IN_PLACE, [o, info.mpi], mop)
         else:
