@@ -35,12 +35,13 @@ from mpicomm.launch import mpirun as _mpirun
 
 # Options that take a value, so the program's first word can be told from them.
 _VALUE_OPTIONS = {"-n", "-np", "--np", "--hostfile", "-H", "--host", "-x", "--log-dir",
-                  "--timeout", "--mpirun", "--map-by", "--bind-to", "--rank-by"}
+                  "--timeout", "--mpirun", "--map-by", "--bind-to", "--rank-by", "--launch-timeout"}
 _FORWARD_PREFIXES = ("MPICOMM_", "NCCL_")
 _FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "LD_LIBRARY_PATH", "PATH",
                   "VIRTUAL_ENV")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TIMEOUT_EXIT = 124  # as coreutils' timeout
+LAUNCH_TIMEOUT_S = 60.0  # seconds for every rank of a multi-host job to start
 _GRACE_S = 10.0
 # Python's own options that take a value (python -W error script.py).
 _PY_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
@@ -80,6 +81,10 @@ def _parser():
                    help="write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--timeout", metavar="SECONDS",
                    help="end the whole job after this many seconds (exit status 124)")
+    p.add_argument("--launch-timeout", metavar="SECONDS", default=None,
+                   help=f"multi-host jobs: end the job when not every rank has started after "
+                        f"this many seconds, naming the hosts that did not start (default "
+                        f"{LAUNCH_TIMEOUT_S:g}; exit status 124)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the mpirun command and exit")
     p.add_argument("--mpirun", metavar="PATH", help="the mpirun to use (default: PATH)")
@@ -234,10 +239,77 @@ def _die_with_parent():
         pass
 
 
-def _run(argv, env, timeout):
-    """Run mpirun; return its exit status (124 if it was ended by the timeout)."""
+def _descendants(pid):
+    """The pids of every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    children = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _end_group(proc, grace=_GRACE_S):
+    """SIGTERM to mpirun's process group, SIGKILL after a grace; then SIGKILL to whatever
+    ran below mpirun in groups of its own (Open MPI puts each ssh in its own group)."""
+    below = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def _run(argv, env, timeout, watch=None, launch_timeout=None):
+    """Run mpirun; return its exit status (124 if it was ended by the timeout, or by the
+    start-up watch ``watch`` when not every rank started within ``launch_timeout``)."""
     proc = subprocess.Popen(argv, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    if watch is not None:
+        try:
+            if not watch.wait(proc, launch_timeout):
+                print(f"mpicomm-run: not every rank started within --launch-timeout {launch_timeout:g} s "
+                      f"({watch.summary()}); ending the job and its ssh processes",
+                      file=sys.stderr, flush=True)
+                _end_group(proc, grace=3.0)
+                remote = [h for h in watch.missing_hosts() if not _hostfile.is_local_host(h)]
+                bad = watch.probe(remote)
+                if bad:
+                    print(f"mpicomm-run: host{'s' if len(bad) > 1 else ''} that did not start: "
+                          + "; ".join(f"{h} ({why})" for h, why in bad.items()), file=sys.stderr, flush=True)
+                else:
+                    print("mpicomm-run: every host answers `ssh HOST true` now: the ranks were slow to start "
+                          "(raise --launch-timeout) or mpirun's output above says why", file=sys.stderr, flush=True)
+                return TIMEOUT_EXIT
+        finally:
+            watch.close()
 
     def forward(signum, frame):
         proc.send_signal(signum)
@@ -424,6 +496,22 @@ def main(argv=None):
                 notices.append(f"{words[0]!r} runs as {python} -m mpi4py, the Python of "
                                f"mpicomm-run (give another interpreter's path to run it "
                                f"as it is)")
+        launch_timeout = LAUNCH_TIMEOUT_S if args.launch_timeout is None else \
+            _positive_number(args.launch_timeout, "--launch-timeout", float)
+        remote = [h.name for h in hosts or () if not _hostfile.is_local_host(h.name)]
+        watch = None
+        if remote and not args.dry_run:
+            # which hosts get ranks: slots fill in hostfile order (Open MPI's default)
+            expected, left = [], nprocs
+            for h in hosts:
+                if left <= 0:
+                    break
+                expected.append(h.name)
+                left -= h.slots if h.slots else left
+            from .startup import StartupWatch
+
+            watch = StartupWatch(remote, expected, nprocs)
+            program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address, "--", *program]
         if args.log_dir is not None:
             log_dir = os.path.abspath(args.log_dir)
             if not args.dry_run:
@@ -432,8 +520,12 @@ def main(argv=None):
                 except OSError as exc:
                     raise UsageError(f"--log-dir {args.log_dir!r}: cannot create it "
                                      f"({exc.strerror})") from exc
-            program = [python, "-m", "mpicomm.launch.rankwrap", "--log-dir", log_dir,
-                       "--", *program]
+            if watch is not None:   # one wrapper: report, then the log files
+                program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address,
+                           "--log-dir", log_dir, "--", *program[program.index("--") + 1:]]
+            else:
+                program = [python, "-m", "mpicomm.launch.rankwrap", "--log-dir", log_dir,
+                           "--", *program]
         as_root = os.geteuid() == 0 and flavour.family == "openmpi"
         added_env = {}
         if flavour.family == "openmpi" and "OMPI_MCA_osc" not in env:
@@ -461,7 +553,7 @@ def main(argv=None):
         notice_once(_ROOT_MARKER, "running as root: added --allow-run-as-root (Open MPI "
                     "refuses root without it); shown once, remembered in "
                     f"{_cache_dir(os.environ)}")
-    return _run(command, env, timeout)
+    return _run(command, env, timeout, watch, launch_timeout)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Per-rank output files: ``python -m mpicomm.launch.rankwrap --log-dir DIR -- PROGRAM...``.
+"""In front of each rank's program: ``python -m mpicomm.launch.rankwrap [--report ADDR]
+[--log-dir DIR] -- PROGRAM...``.
 
-mpicomm-run puts this in front of the program when ``--log-dir`` is given. Each rank
+``--report ADDR``: tell mpicomm-run (listening at host:port ADDR) that this rank has
+started, before anything else (mpicomm-run's start-up watch of multi-host jobs).
+
+``--log-dir DIR``: mpicomm-run puts this in front of the program when ``--log-dir`` is given. Each rank
 writes its output to ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr``; rank 0's output
 also goes on to the terminal. Ranks other than 0 redirect and ``exec`` the program, so
 nothing stands between mpirun and them; rank 0 runs the program as a child and copies
@@ -78,12 +82,27 @@ def _tee_and_wait(program, out_fd, err_fd):
 def main(argv=None):
     """Redirect this rank's output into the log directory, then run the program."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) < 4 or argv[0] != "--log-dir" or argv[2] != "--":
-        print("usage: python -m mpicomm.launch.rankwrap --log-dir DIR -- PROGRAM [ARGS...]",
-              file=sys.stderr)
+    opts = {}
+    while len(argv) >= 2 and argv[0] in ("--log-dir", "--report") and argv[0] not in opts:
+        opts[argv[0]] = argv[1]
+        argv = argv[2:]
+    if not opts or len(argv) < 2 or argv[0] != "--":
+        print("usage: python -m mpicomm.launch.rankwrap [--report HOST:PORT] [--log-dir DIR] -- "
+              "PROGRAM [ARGS...]", file=sys.stderr)
         return 2
-    log_dir, program = argv[1], argv[3:]
+    program = argv[1:]
     rank = rank_from_env()
+    if "--report" in opts:
+        from .startup import report
+
+        report(opts["--report"], rank)
+    log_dir = opts.get("--log-dir")
+    if log_dir is None:
+        try:
+            os.execvp(program[0], program)
+        except OSError as exc:
+            print(f"rankwrap: cannot run {program[0]!r}: {exc.strerror}", file=sys.stderr)
+            return 127
     rank_dir = os.path.join(log_dir, f"rank.{rank}")
     os.makedirs(rank_dir, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC

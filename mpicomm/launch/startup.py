@@ -1,0 +1,145 @@
+"""The start-up watch of a multi-host job: which hosts have started their ranks.
+
+mpicomm-run listens on a TCP port of the launching host; each rank's wrapper
+(``python -m mpicomm.launch.rankwrap --report ADDR``) connects once as it starts and
+sends its host name and rank, then runs the program. When not every rank has reported
+within ``--launch-timeout`` seconds, mpicomm-run names the hosts none of whose ranks
+started (their ssh never completed: a host that does not answer, a firewall dropping
+packets) and ends mpirun's whole process group, the ssh processes included.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+
+PROBE_S = 5   # ssh ConnectTimeout of the probe that names the hosts that do not answer
+
+
+def _route_address(hosts):
+    """This host's address on the route to the first remote host (what its ranks reach)."""
+    for name in hosts:
+        try:
+            ip = socket.getaddrinfo(name, 22, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((ip, 9))   # UDP: picks the route, sends nothing
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return socket.gethostbyname(socket.gethostname())
+
+
+class StartupWatch:
+    """Collects the ranks' start reports on a listening socket."""
+
+    def __init__(self, remote_hosts, expected_hosts, nprocs):
+        self.nprocs = nprocs
+        self.expected = list(expected_hosts)   # the hosts that get ranks, in order
+        self.started = {}                      # rank -> host name it reported
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("0.0.0.0", 0))
+        self._sock.listen(256)
+        self._sock.settimeout(0.2)
+        self.address = f"{_route_address(remote_hosts)}:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="mpicomm-run-startup", daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while not data.endswith(b"\n") and len(data) < 512:
+                        chunk = conn.recv(512)
+                        if not chunk:
+                            break
+                        data += chunk
+                except OSError:
+                    continue
+            parts = data.decode("utf-8", "replace").split()
+            if len(parts) == 2 and parts[1].isdigit():
+                with self._lock:
+                    self.started[int(parts[1])] = parts[0]
+
+    def all_started(self):
+        with self._lock:
+            return len(self.started) >= self.nprocs
+
+    def wait(self, proc, timeout):
+        """Wait until every rank has started, ``proc`` (mpirun) has ended, or ``timeout``
+        seconds have passed; True unless the timeout passed first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.all_started() or proc.poll() is not None:
+                return True
+            time.sleep(0.1)
+        return self.all_started() or proc.poll() is not None
+
+    def missing_hosts(self):
+        """The expected hosts from which no rank has reported (compared by short name)."""
+        with self._lock:
+            seen = {h.split(".")[0] for h in self.started.values()}
+        return [h for h in self.expected if h.split(".")[0] not in seen]
+
+    def probe(self, hosts, ssh="ssh"):
+        """{host: why} for the ``hosts`` whose ``ssh HOST true`` fails or does not answer
+        within PROBE_S + 3 s (run in parallel). Open MPI starts no rank before every host's
+        daemon is up, so the ranks' reports alone cannot tell which host held them up."""
+        out = {}
+
+        def one(h):
+            argv = [ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_S}", h, "true"]
+            try:
+                p = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_S + 3,
+                                   stdin=subprocess.DEVNULL, errors="replace")
+            except subprocess.TimeoutExpired:
+                out[h] = f"`ssh {h} true` gave no answer within {PROBE_S + 3} s"
+                return
+            except OSError as e:
+                out[h] = f"cannot run ssh: {e.strerror}"
+                return
+            if p.returncode != 0:
+                last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+                out[h] = f"`ssh {h} true`: {last}"
+
+        threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(PROBE_S + 5)
+        return out
+
+    def summary(self):
+        with self._lock:
+            by_host = {}
+            for h in self.started.values():
+                by_host[h] = by_host.get(h, 0) + 1
+        started = ", ".join(f"{h} ({n})" for h, n in sorted(by_host.items())) or "none"
+        return f"{len(self.started)} of {self.nprocs} ranks started; by host: {started}"
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=2)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+def report(address, rank, host=None):
+    """Tell mpicomm-run at ``address`` (host:port) that ``rank`` has started; never raises."""
+    host = host or socket.gethostname()
+    ip, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((ip, int(port)), timeout=10) as s:
+            s.sendall(f"{host} {rank}\n".encode())
+    except (OSError, ValueError):
+        pass
