@@ -77,8 +77,8 @@ def test_reducer_fused_on_cuda_tensors(cuda, mode, cap, dtype):
     out = red(given) if mode == "call" else red.reduce_(given)
     for k in range(len(shapes)):
         want = sum(grads(q)[k].double() for q in range(n))
-        tol = 1e-6 if dtype == "float32" else 1e-2
-        torch.testing.assert_close(out[k].double().cpu(), want, rtol=tol, atol=tol)
+        tol = 1e-6 if dtype == "float32" else n * 2.0 ** -7  # NCCL rounds bf16 after each addition
+        torch.testing.assert_close(out[k].double().cpu(), want, rtol=tol, atol=tol * float(want.abs().max()))
         assert out[k].is_cuda and out[k].dtype == dt
         if mode == "call":
             torch.testing.assert_close(given[k], mine[k], rtol=0, atol=0)

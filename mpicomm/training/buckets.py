@@ -51,6 +51,10 @@ class _Numpy:
         return np.zeros(n, dtype)
 
     @staticmethod
+    def empty(n, dtype, device):
+        return np.empty(n, dtype)
+
+    @staticmethod
     def view(flat, off, n, shape):
         return flat[off:off + n].reshape(shape)
 
@@ -115,26 +119,39 @@ class _Cupy(_Numpy):
             return cp.zeros(n, dtype)
 
     @classmethod
+    def empty(cls, n, dtype, device):
+        cp = cls._cp()
+        dev = int(device.split(":")[1])
+        if cp.cuda.runtime.getDevice() == dev:
+            return cp.empty(n, dtype)
+        with cp.cuda.Device(dev):
+            return cp.empty(n, dtype)
+
+    @classmethod
     def copy(cls, dst, src):
         cls._cp().copyto(dst, src, casting="unsafe")
 
     @classmethod
     def pack(cls, flat, arrays):
-        cls._cp().concatenate([a.reshape(-1) for a in arrays], out=flat)  # one kernel for many arrays
+        """One kernel launch for the whole bucket (a table of pointers; see _multi_copy)."""
+        if all(a.flags.c_contiguous for a in arrays):
+            base = flat.data.ptr
+            src = [a.data.ptr for a in arrays]
+            nb = [a.nbytes for a in arrays]
+            _multi_copy(cls._cp(), src, base, nb, gather=True)
+        else:
+            cls._cp().concatenate([a.reshape(-1) for a in arrays], out=flat)
 
     @classmethod
     def copy_out(cls, dsts, srcs):
-        # cudaMemcpyAsync on the current stream costs the host a few microseconds a call,
-        # a CuPy copy kernel about ten
+        """dsts[k][...] = srcs[k]: one kernel launch when every dst is C-contiguous."""
         cp = cls._cp()
-        rt = cp.cuda.runtime
-        s = cp.cuda.get_current_stream().ptr
-        d2d = rt.memcpyDeviceToDevice
+        if all(d.flags.c_contiguous and d.dtype == v.dtype for d, v in zip(dsts, srcs)):
+            _multi_copy(cp, [d.data.ptr for d in dsts], [v.data.ptr for v in srcs], [v.nbytes for v in srcs],
+                        gather=False)
+            return
         for d, v in zip(dsts, srcs):
-            if d.flags.c_contiguous and d.dtype == v.dtype:
-                rt.memcpyAsync(d.data.ptr, v.data.ptr, v.nbytes, d2d, s)
-            else:
-                cls.copy(d, v)
+            cls.copy(d, v)
 
     @classmethod
     def scale(cls, dst, src, n):
@@ -189,6 +206,10 @@ class _Torch:
     def zeros(cls, n, dtype, device):
         return cls._t().zeros(n, dtype=dtype, device=device)
 
+    @classmethod
+    def empty(cls, n, dtype, device):
+        return cls._t().empty(n, dtype=dtype, device=device)
+
     @staticmethod
     def view(flat, off, n, shape):
         return flat[off:off + n].view(shape)
@@ -230,7 +251,9 @@ class _Torch:
 
     @classmethod
     def new_stream(cls, device):
-        return cls._t().cuda.Stream(device=device)
+        # high priority: a bucket's all_reduce goes ahead of the backward kernels queued
+        # behind it, so it finishes during backward rather than after (as DDP's NCCL stream)
+        return cls._t().cuda.Stream(device=device, priority=-1)
 
     @classmethod
     def side_waits_current(cls, side):
@@ -243,6 +266,67 @@ class _Torch:
     @classmethod
     def on(cls, side):
         return cls._t().cuda.stream(side)
+
+
+# ---------------------------------------------------------------- CuPy multi-tensor copy
+
+_CHUNK = 1 << 18  # bytes per thread block
+_COPY_SRC = r"""
+extern "C" __global__ void mpicomm_multi_copy(const unsigned long long* tab, long long nchunks) {
+    // tab[3c], tab[3c+1], tab[3c+2]: source, destination and size in bytes of chunk c
+    for (long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const unsigned long long s = tab[3 * c], d = tab[3 * c + 1], n = tab[3 * c + 2];
+        if (((s | d | n) & 15) == 0) {
+            const int4* src = (const int4*)s; int4* dst = (int4*)d;
+            for (unsigned long long i = threadIdx.x; i < n / 16; i += blockDim.x) dst[i] = src[i];
+        } else if (((s | d | n) & 3) == 0) {
+            const int* src = (const int*)s; int* dst = (int*)d;
+            for (unsigned long long i = threadIdx.x; i < n / 4; i += blockDim.x) dst[i] = src[i];
+        } else {
+            const char* src = (const char*)s; char* dst = (char*)d;
+            for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+        }
+    }
+}
+"""
+_kernels = {}      # device id -> RawKernel
+_tables = {}       # (srcs, dsts, sizes) -> (device table, chunks); a few, the most recent kept
+_TABLES_KEPT = 64
+
+
+def _multi_copy(cp, a, b, nbytes, gather):
+    """Copy many contiguous device buffers in one kernel launch on the current stream.
+
+    gather=True: ``a`` are source pointers, ``b`` the destination base (packed one after
+    the other); gather=False: ``a`` destination and ``b`` source pointers. The pointer
+    table goes to the device once per set of pointers and is then reused (a step that
+    hands the same gradient arrays, or a few sets of them in turn, uploads nothing).
+    """
+    key = (gather, tuple(a), b if gather else tuple(b), tuple(nbytes))
+    hit = _tables.get(key)
+    dev = cp.cuda.runtime.getDevice()
+    if hit is None or hit[2] != dev:
+        sizes = np.asarray(nbytes, np.uint64)
+        if gather:
+            src = np.asarray(a, np.uint64)
+            dst = np.uint64(b) + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+        else:
+            dst, src = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
+        per = np.maximum((sizes + _CHUNK - 1) // _CHUNK, 1).astype(np.int64)
+        idx = np.repeat(np.arange(len(sizes)), per)
+        first = np.concatenate(([0], np.cumsum(per)[:-1]))
+        off = ((np.arange(int(per.sum())) - np.repeat(first, per)) * _CHUNK).astype(np.uint64)
+        n = np.minimum(sizes[idx] - off, np.uint64(_CHUNK))
+        tab = np.stack([src[idx] + off, dst[idx] + off, n], axis=1).astype(np.uint64)
+        hit = (cp.asarray(tab.ravel()), len(tab), dev)
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = hit
+    k = _kernels.get(dev)
+    if k is None:
+        k = _kernels[dev] = cp.RawKernel(_COPY_SRC, "mpicomm_multi_copy")
+    if hit[1]:
+        k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
 
 
 NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()
@@ -624,34 +708,52 @@ class DistributedGradReducer:
             fam = CUPY if key[0] == "cupy" else TORCH
             fam.current_waits_side(s)
 
-    def _run(self, grads):
+    def _run(self, grads, into=None):
+        """Reduce ``grads``; ``into``: a new flat buffer per bucket to pack into and reduce
+        in place (the buckets' own buffers otherwise)."""
         self._check_idle("reducing")
         self._check_grads(grads)
-        for b in self._buckets:
-            given = [grads[i] for i in b.indices]
-            fresh = [g is not v for g, v in zip(given, b.views)]
-            if len(given) > 1 and all(fresh):
-                b.fam.pack(b.flat, given)
-            else:
-                for g, v, f in zip(given, b.views, fresh):
-                    if f:
-                        b.fam.copy(v, g)
-        for b in self._buckets:
-            b.remaining = 0
-        self._launch_all()
-        self._finish()
-        self._reset_step()
+        saved = None
+        if into is not None:
+            saved = [(b.flat, b.wire) for b in self._buckets]
+            for b, new in zip(self._buckets, into):
+                b.wire = new if b.wire is b.flat else b.wire
+                b.flat = new
+        try:
+            for b in self._buckets:
+                given = [grads[i] for i in b.indices]
+                fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
+                if fresh and (len(given) > 1 or into is not None):
+                    b.fam.pack(b.flat, given)  # a constant number of launches per bucket
+                else:
+                    for g, v in zip(given, b.views):
+                        if g is not v:
+                            b.fam.copy(v, g)
+            for b in self._buckets:
+                b.remaining = 0
+            self._launch_all()
+            self._finish()
+        finally:
+            if saved is not None:
+                for b, (flat, wire) in zip(self._buckets, saved):
+                    b.flat, b.wire = flat, wire
+            self._reset_step()
 
     def __call__(self, grads):
         """Return the reduced gradients as new arrays (``grads`` is left as it is).
 
-        The arrays of one bucket are views into one new buffer (one copy per bucket, not
-        one per gradient), as PyTorch's ``_unflatten_dense_tensors`` gives them.
+        Each bucket's gradients are packed into one new buffer (one copy launch per
+        bucket, not one per gradient), reduced in place there, and returned as views of
+        it, as PyTorch's ``_unflatten_dense_tensors`` gives them: no copy back.
         """
-        self._run(grads)
+        if isinstance(grads, (list, tuple)) and any(g is v for g, v in zip(grads, self._views)):
+            self._run(grads)  # some gradients already live in the buckets: reduce there, then copy
+            flats = [b.fam.clone(b.flat) for b in self._buckets]
+        else:
+            flats = [b.fam.empty(b.numel, b.fam.spec(b.flat)[1], b.device) for b in self._buckets]
+            self._run(grads, into=flats)
         out = [None] * len(self._views)
-        for b in self._buckets:
-            flat = b.fam.clone(b.flat)
+        for b, flat in zip(self._buckets, flats):
             for i, off, sz, shape in b.layout:
                 out[i] = b.fam.view(flat, off, sz, shape)
         return out
