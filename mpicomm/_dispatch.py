@@ -23,6 +23,7 @@ import time
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
+from ._reliability.progress import P2P, P2P_GH, P2P_TAG, ghash, p2p_word
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
 _now = time.perf_counter_ns
@@ -49,7 +50,8 @@ def mpi_error(e, name, seq, group):
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
-    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask", "batch")
+    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask", "gh",
+                 "p2p_n", "p2p_what", "batch")
 
     def __init__(self, group, transport, mem, row, on_timeout=None):
         self.group = group
@@ -62,6 +64,9 @@ class Dispatcher:
         self.fr = new_ring()           # the flight recorder's ring (a power of two long), or None
         self.fmask = len(self.fr) - 1 if self.fr is not None else 0
         self.batch = None              # the Works of an open mpicomm.batch() block, or None
+        self.gh = ghash(group.name)    # the group's hash in the progress words
+        self.p2p_n = 0                 # blocking send/recv calls so far (tells two equal ones apart)
+        self.p2p_what = None           # (shape, dtype, peer, tag) of the send/recv in progress
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -132,10 +137,34 @@ class Dispatcher:
         return r
 
     def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
-        """send / recv: not numbered (only the two ranks take part), never reused."""
+        """send / recv: not numbered (only the two ranks take part), never reused.
+
+        A blocking call is published in this rank's progress header (which call, the
+        peer's world rank, the group and tag) while it runs, so that the watchdog names
+        a peer that never comes; an async one carries the same facts in its Work, whose
+        wait() times out with that diagnosis."""
         if _DROPPED:
             complete_dropped()
-        return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+        g = self.group
+        wpeer = g.ranks[peer] if peer.__class__ is int and 0 <= peer < g.size else -1
+        if async_op:
+            r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+            if r is not None and hasattr(r, "_what"):
+                r._what = r._what[:3] + (g, ("p2p", code, wpeer, tag))
+                r._on_timeout = self.on_timeout
+            return r
+        if wpeer < 0:   # the transport refuses it with the allowed range
+            return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+        m = self.mem
+        n = self.p2p_n = self.p2p_n + 1
+        self.p2p_what = (getattr(x, "shape", None), getattr(x, "dtype", None), wpeer, tag)
+        m[P2P_GH] = self.gh
+        m[P2P_TAG] = tag if tag.__class__ is int else 0
+        m[P2P] = p2p_word(n, code, wpeer)
+        try:
+            return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+        finally:
+            m[P2P] = 0
 
     def plain(self):
         """The transport without debug mode's wrapper. Calls with per-rank sizes (a Sized arg)
