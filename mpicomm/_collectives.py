@@ -426,6 +426,10 @@ def _scatter_facts(g, allv, root, sizes, auto):
     if r[1] == -1 or r[3] < 1:
         raise invalid("x", "no array with an axis 0 on the root", f"the array to scatter on the root {root}")
     if not auto:
+        missing = [q for q in range(g.size) if q != root and allv[q, 1] == -1]
+        if missing:   # every rank knows it here: all raise, none waits in the scatter
+            raise invalid("out", None, f"an array of its part of the root's x on every rank but the root {root}, "
+                          f"or sizes='auto' on every rank (ranks {missing} gave no out=)")
         return (root, sizes, None)
     n, d0 = g.size, int(r[_OWN])
     if d0 % n:
