@@ -179,3 +179,49 @@ def test_truncation_becomes_mismatch_error(tmp_path):
     line = next(ln for ln in out.splitlines() if ln.startswith("rank 1:"))
     assert line.startswith("rank 1: CollectiveMismatchError: broadcast sequence 1 on group 'world'"), line
     assert "MPI_ERR_TRUNCATE" in line and "MPICOMM_DEBUG=1" in line, line
+
+
+# ------------------------------------------------------------- MIN/MAX with NaN: one rule
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dt", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("path", ["ordinary", "shm", "shm_openmpi"])
+def test_min_max_propagate_nan_on_every_path(comm, dt, path):
+    """A NaN in any rank's element makes that element NaN for MIN and MAX (np.minimum /
+    np.maximum), for all_reduce, reduce_scatter and reduce, whatever the size or rank count
+    (Open MPI's own MIN/MAX keep or drop it by the order it combines the ranks in)."""
+    import ml_dtypes
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    m = impl()
+    m.configure({"MPICOMM_SHM_THRESHOLD": "off" if path == "ordinary" else "256"})
+    if path != "ordinary" and n > 1 and m.group is None:
+        m.open()
+    if m.group is not None:
+        m.group.set_piece(None if path == "shm_openmpi" else PIECE)
+        m.group.ordinary = path == "shm_openmpi"   # the tuner's Open MPI choice (2 ranks)
+    try:
+        for count in (5, 3000):
+            def of_nan(j):
+                v = np.random.default_rng([j, count, 7]).standard_normal(n * count)
+                v[j::n + 1] = np.nan                # each rank's NaNs at other places
+                return v.astype(dtype)
+            x = of_nan(r)
+            for op, uf in ((ReduceOp.MAX, np.maximum), (ReduceOp.MIN, np.minimum)):
+                exp = of_nan(0).astype(np.float64)
+                for j in range(1, n):
+                    exp = uf(exp, of_nan(j).astype(np.float64))
+                exp = exp.astype(dtype)
+                assert np.isnan(exp.astype(np.float64)).sum() >= count // 2 or n == 1
+                got = mpicomm.all_reduce(x, op)
+                np.testing.assert_array_equal(got.astype(np.float64), exp.astype(np.float64))
+                got = mpicomm.reduce_scatter(x, op)
+                np.testing.assert_array_equal(got.astype(np.float64), np.split(exp, n)[r].astype(np.float64))
+                got = mpicomm.reduce(x, op, root=n - 1)
+                if r == n - 1:
+                    np.testing.assert_array_equal(got.astype(np.float64), exp.astype(np.float64))
+    finally:
+        m.configure()
+        if m.group is not None:
+            m.group.set_piece()
