@@ -24,6 +24,7 @@ from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
 from ._reliability.progress import P2P, P2P_GH, P2P_TAG, ghash, p2p_word
+from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
 _now = time.perf_counter_ns
@@ -51,7 +52,7 @@ class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask", "gh",
-                 "p2p_n", "p2p_what", "batch")
+                 "p2p_n", "p2p_what", "p2p_ev", "batch")
 
     def __init__(self, group, transport, mem, row, on_timeout=None):
         self.group = group
@@ -67,6 +68,7 @@ class Dispatcher:
         self.gh = ghash(group.name)    # the group's hash in the progress words
         self.p2p_n = 0                 # blocking send/recv calls so far (tells two equal ones apart)
         self.p2p_what = None           # (shape, dtype, peer, tag) of the send/recv in progress
+        self.p2p_ev = None             # NCCL: (P2P word, CUDA event after it) until the GPU has done it
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -160,11 +162,17 @@ class Dispatcher:
         self.p2p_what = (getattr(x, "shape", None), getattr(x, "dtype", None), wpeer, tag)
         m[P2P_GH] = self.gh
         m[P2P_TAG] = tag if tag.__class__ is int else 0
-        m[P2P] = p2p_word(n, code, wpeer)
+        w = m[P2P] = p2p_word(n, code, wpeer)
+        gpu = False
         try:
-            return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+            r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+            # NCCL enqueues and returns: the word stays up until the GPU has done the call
+            # (the watchdog clears it when the event recorded here completes)
+            gpu = hasattr(self.plain(), "nccl") and is_gpu_array(x) and _gpu_event(self, w, x, stream)
+            return r
         finally:
-            m[P2P] = 0
+            if not gpu:
+                m[P2P] = 0
 
     def plain(self):
         """The transport without debug mode's wrapper. Calls with per-rank sizes (a Sized arg)
@@ -206,3 +214,27 @@ class Dispatcher:
                 if w is not None and hasattr(w, "wait"):
                     w.wait()
         return works
+
+
+def _gpu_event(d, word, x, stream):
+    """Record a CUDA event on the stream of a GPU send/recv just enqueued; True when done."""
+    try:
+        import cupy
+
+        if stream is None:
+            if is_torch(x):
+                import torch
+
+                ptr = torch.cuda.current_stream(x.device).cuda_stream
+            else:
+                ptr = cupy.cuda.get_current_stream().ptr
+        elif isinstance(stream, int):
+            ptr = stream
+        else:
+            ptr = getattr(stream, "ptr", None) or stream.cuda_stream
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        cupy.cuda.runtime.eventRecord(ev.ptr, ptr)
+    except Exception:   # not watched on the GPU: the word goes down as for a host call
+        return False
+    d.p2p_ev = (word, ev)
+    return True

@@ -214,9 +214,13 @@ def main():
         mpicomm.all_reduce(x)
         if r == 0:
             if MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
-                mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=5)
+                mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=0 if GPU else 5)
             else:
-                mpicomm.recv(x, 1, tag=5)
+                mpicomm.recv(x, 1, tag=0 if GPU else 5)
+            if GPU:   # NCCL enqueues the call: the wait is here
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
         elif r == 1:
             if MODE == "recv_exit":
                 say("leaving")

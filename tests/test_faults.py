@@ -364,6 +364,26 @@ def test_unmatched_recv_names_the_peer_with_its_stack(n, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode, call, other", [("recv_nosend", "recv from", "send"),
+                                               ("send_norecv", "send to", "recv")], ids=["recv", "send"])
+def test_unmatched_gpu_send_recv_is_named(mode, call, other, tmp_path):
+    """NCCL: the send/recv is enqueued and returns; the rank then waits in a stream
+    synchronize. The watchdog keeps the call published until the GPU has done it, and
+    reports it on the GPU, naming rank 1 and showing its stack (nccl-gpu)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, mode, True, limit=TIMEOUT + 90, token=token)
+    nothing_left(token)
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
+    msg = report_of(p, 0)
+    shape = "(4,)" if mode == "recv_nosend" else "(4194304,)"
+    assert msg.startswith(f"rank 0: {call} rank 1 (tag 0, shape {shape}, dtype float32) on group 'world' did not "
+                          "complete within 5 s"), msg
+    assert "on the GPU" in msg and f"Rank 1 has not reached the matching {other}" in msg, msg
+    stack_shown(p, tmp_path, 1)
+
+
 @pytest.mark.parametrize("n", NRANKS)
 def test_unmatched_send_names_the_peer(n, tmp_path):
     """A 16 MiB send (past the eager limit) that rank 1 never receives."""

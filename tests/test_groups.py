@@ -76,3 +76,36 @@ def test_group_recreated_after_destroy(comm, request):
         np.testing.assert_array_equal(got, want)
         comm.destroy_group("grp-again")
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("who", ["members", "everyone"])
+def test_member_only_group_on_gpu_arrays(comm, request, who):
+    """Under NCCL the members build the group's communicator among themselves (a unique id
+    sent over the members' MPI communicator): CuPy arrays on a group made by its members
+    only. Skipped where the backend is not NCCL (no GPU)."""
+    if comm.get_backend() != "nccl":
+        pytest.skip("needs the NCCL backend (a GPU and CuPy)")
+    import cupy
+
+    n, r = comm.get_group_size(), comm.get_rank()
+    members = list(range(n - 1, -1, -1))[: max(1, n - (n > 2))]   # all, or all but rank 0 beyond 2 ranks
+    name = f"grp-gpu-{who}"
+    if r in members or who == "everyone":
+        comm.create_group(name, members)
+    if r in members:
+        x = rank_rng(r, request.node.name).standard_normal(1000).astype(np.float32)
+        got = comm.all_reduce(cupy.asarray(x), group=name)
+        cupy.cuda.get_current_stream().synchronize()
+        want = sum(rank_rng(m, request.node.name).standard_normal(1000).astype(np.float32) for m in members)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+        g = comm.all_gather(cupy.asarray(np.array([r * 3 + 1], np.int64)), group=name)
+        np.testing.assert_array_equal(cupy.asnumpy(g), np.array(members) * 3 + 1)
+    x = rank_rng(r, request.node.name + "w").integers(-9, 9, 8).astype(np.float64)
+    got = comm.all_reduce(cupy.asarray(x))
+    want = sum(rank_rng(k, request.node.name + "w").integers(-9, 9, 8).astype(np.float64) for k in range(n))
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    if r in members or who == "everyone":
+        comm.destroy_group(name)
+    assert len(set(_world_seqs())) == 1
+    MPI.COMM_WORLD.Barrier()

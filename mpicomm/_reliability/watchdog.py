@@ -101,6 +101,8 @@ class Watchdog:
             else:
                 seen.pop(b, None)
         w = m[P2P]   # a blocking send or recv in progress
+        if w and self._p2p_gpu_done(w):
+            w = 0
         if w:
             s = self._p2p_seen
             if s is None or s[0] != w:
@@ -138,6 +140,30 @@ class Watchdog:
             if not mine or int(mine[0][ENTERED]) >> 4 < seq:
                 return True
         return False
+
+    def _p2p_disp(self):
+        gh = int(self.progress.m[P2P_GH])
+        g = next((g for g in self.groups() if ghash(g.name) == gh), None)
+        return getattr(g, "disp", None)
+
+    def _p2p_gpu_done(self, w):
+        """An NCCL send/recv (its word left up by the dispatcher): True, and the word cleared,
+        once the CUDA event after it has completed."""
+        d = self._p2p_disp()
+        ev = getattr(d, "p2p_ev", None)
+        if ev is None or ev[0] != w:
+            return False
+        try:
+            done = ev[1].done
+        except Exception:
+            done = True
+        if done:
+            m = self.progress.m
+            if m[P2P] == w:
+                m[P2P] = 0
+            d.p2p_ev = None
+            self._p2p_seen = None
+        return done
 
     def _exited(self, ranks):
         """True when one of world ``ranks`` has left its script."""
@@ -227,10 +253,12 @@ class Watchdog:
         d = getattr(g, "disp", None)
         wh = getattr(d, "p2p_what", None)
         desc = _desc(wh[0], wh[1]) if wh else "?"
-        msg = self.diagnose_p2p(g, code, peer, tag, desc, waited, early=early)
+        ev = getattr(d, "p2p_ev", None)
+        msg = self.diagnose_p2p(g, code, peer, tag, desc, waited, early=early,
+                                gpu=ev is not None and ev[0] == word)
         self._report(msg, early, [peer])
 
-    def diagnose_p2p(self, g, code, peer, tag, desc, waited, limit=None, early=False):
+    def diagnose_p2p(self, g, code, peer, tag, desc, waited, limit=None, early=False, gpu=False):
         """The report of a send or recv: where its peer (world rank ``peer``) is."""
         limit = self.timeout if limit is None else limit
         p = self.progress
@@ -274,7 +302,8 @@ class Watchdog:
         if early:
             head = f"rank {me}: {what} cannot complete (waited {waited:.1f} s). "
         else:
-            head = f"rank {me}: {what} did not complete within {limit:g} s (waited {waited:.1f} s). "
+            head = (f"rank {me}: {what} did not complete within {limit:g} s (waited {waited:.1f} s)"
+                    + (" on the GPU" if gpu else "") + ". ")
         tail = f"  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)"
         return head + part[0].upper() + part[1:] + ":\n" + f"  {where}: {line}\n" + tail
 
