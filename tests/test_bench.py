@@ -66,6 +66,18 @@ def test_bus_factors_are_nccl_tests():
     assert alg == pytest.approx(2.0) and bus == pytest.approx(3.0)
 
 
+def test_uneven_layouts_of_the_v_collectives():
+    for n in (1, 2, 3, 4):
+        for total in (0, 1, 7, 1000):
+            c = cases.uneven_counts(total, n)
+            assert sum(c) == total and all(v >= 0 for v in c) and len(c) == n
+        S = cases.uneven_splits(10, n)
+        assert [len(r) for r in S] == [n] * n and {v for r in S for v in r} <= {5, 10, 15}
+    assert cases.uneven_counts(60, 3) == [10, 20, 30]
+    assert timing.bus_factor("sendrecv", 4) == 1.0 and timing.bus_factor("all_gatherv", 4) == pytest.approx(0.75)
+    assert cases.counts_for("all_to_allv", 1 << 20, 4, 4) == (1 << 16, 1 << 20)
+
+
 def test_counts_follow_nccl_tests():
     assert cases.counts_for("all_reduce", 1 << 20, 4, 4) == (1 << 18, 1 << 20)
     assert cases.counts_for("all_gather", 1 << 20, 4, 4) == (1 << 16, 1 << 20)  # per-rank count
@@ -426,13 +438,17 @@ def test_fresh_run_checks_every_row(coll, tmp_path):
 @needs_mpirun
 @spawns_mpirun
 @pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"])
+@pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+                                  "all_gatherv", "all_to_allv", "gather", "scatter", "sendrecv"])
 def test_every_collective_runs_and_checks(coll, tmp_path):
     rc, out, err = _run(["-b", "4", "-e", "4K", "-f", "32", "-n", "3", "-w", "1", "--coll", coll, "--compare",
                          "-r", "1", "-q"], tmp_path)
     assert rc == 0, out + err
     assert "# Out of bounds values : 0 OK" in out
     assert "[mpicomm-bench]" not in err  # -q: no progress
+    if coll in timing.VCOLLS:   # out of place against the raw call (mpi4py's Allgatherv, ...), checked
+        for f in _table(out):
+            assert f[8] == "0" and f[12] == "N/A" and f[13] != "N/A" and float(f[14]) > 0
 
 
 @needs_mpirun
