@@ -240,9 +240,6 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     local q=${QUICK:-0}
 
     step "doctor-net" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net
-    timeout -k 10 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net --net-iters 200 --json \
-        >"$res/doctor_net.json" 2>>"$LOG"
-    printf '%-30s rc=%-3s\n' "doctor-net-json" "$?" | tee -a "$SUM"
     if ((gpu)); then
         step "gpu-tests-np4" 240 "${RUN[@]}" --timeout 230 "${PYR[@]}" "${PYT[@]}" tests/test_gpu.py
         step "smoke-nccl-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl
@@ -283,8 +280,8 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
             -x OMPI_MCA_btl_tcp_if_include=eth9 "${PYR[@]}" -m mpicomm.tools.smoke --quick --collectives all_reduce
     fi
     cmd_exec "${HOSTS[1]}" "$PY" scripts/netns_link.py down "$IFNAME"
-    expect_failure "fail-host2-unreachable" 100 "failed to report back|Remote host|unable to reliably start|did not start|not every rank|ran longer" "${RUN[@]}" --timeout 30 \
-        "${PYR[@]}" -m mpicomm.tools.doctor
+    expect_failure "fail-host2-unreachable" 100 "failed to report back|Remote host|unable to reliably start|did not start|not every rank|ran longer" "${RUN[@]}" --timeout 60 \
+        --launch-timeout 20 "${PYR[@]}" -m mpicomm.tools.doctor
     cmd_exec "${HOSTS[1]}" "$PY" scripts/netns_link.py up "$IFNAME"
 
     tar -czf "$OUT/cluster_results.tgz" -C "$OUT" cluster_res && rm -rf "$res"
