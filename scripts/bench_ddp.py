@@ -13,7 +13,7 @@ weights, batch 8 x 1024 tokens; "small" (a tiny conv net, for a CPU smoke test).
 data, different on every rank; bf16 autocast on GPUs; SGD with momentum.
 
 Before timing, an mpicomm-wrapped and a DDP-wrapped copy of each model train
---check-steps steps from the same seed on the same data, with deterministic kernels;
+--check-steps steps from the same seed on the same data, in float32 with deterministic kernels;
 their parameters must agree within a relative --tolerance (1e-4, ||a - b|| / ||b|| over
 all parameters), or the script exits 1 after the table. DDP trained twice shows the
 noise floor (0 where the kernels are deterministic).
@@ -183,8 +183,8 @@ def make(case, mode, device, args):
     return model, opt, desc
 
 
-def step_fn(case, model, opt, device, batches):
-    amp = device.type == "cuda"
+def step_fn(case, model, opt, device, batches, amp=None):
+    amp = device.type == "cuda" if amp is None else amp
     it = [0]
 
     def step():
@@ -219,8 +219,13 @@ def _rel(a, b):
 def check(case, device, args, batches):
     """mpicomm and DDP (and DDP again: the noise floor), the same seed and data,
     --check-steps steps, deterministic kernels: the relative parameter differences."""
-    det = torch.backends.cudnn.deterministic
+    # float32 without TF32: under bf16 autocast (or TF32) a 1-ulp difference that the
+    # reduction order makes flips roundings of the weights' 16-bit copies, and 10 steps grow
+    # that to 1e-2 however right the gradients are (seen at 4 GPUs)
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
     torch.backends.cudnn.deterministic = True  # the copies must not differ by a kernel's choice
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -235,7 +240,7 @@ def check(case, device, args, batches):
         with math_sdpa:
             for mode in ("mpicomm", "ddp", "ddp2"):
                 model, opt, _ = make(case, mode[:3] if mode == "ddp2" else mode, device, args)
-                st = step_fn(case, model, opt, device, batches)
+                st = step_fn(case, model, opt, device, batches, amp=False)
                 for _ in range(args.check_steps):
                     st()
                 sync(device)
@@ -245,7 +250,8 @@ def check(case, device, args, batches):
         moved = _rel(runs["ddp"], start)
         return _rel(runs["mpicomm"], runs["ddp"]), _rel(runs["ddp2"], runs["ddp"]), moved
     finally:
-        torch.backends.cudnn.deterministic = det
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = saved
         torch.use_deterministic_algorithms(False)
 
 

@@ -11,6 +11,7 @@ same order.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -251,9 +252,7 @@ class _Torch:
 
     @classmethod
     def new_stream(cls, device):
-        # high priority: a bucket's all_reduce goes ahead of the backward kernels queued
-        # behind it, so it finishes during backward rather than after (as DDP's NCCL stream)
-        return cls._t().cuda.Stream(device=device, priority=-1)
+        return cls._t().cuda.Stream(device=device)
 
     @classmethod
     def side_waits_current(cls, side):
@@ -439,7 +438,20 @@ def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
 
 class _Bucket:
     __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
-                 "stream_mode", "remaining", "work", "numel", "layout")
+                 "stream_mode", "remaining", "work", "numel", "layout", "outs")
+
+
+_OUT_SLOTS = 2  # result buffers kept per bucket for reducer(grads), reused once the caller drops them
+
+
+def _refcounts(slot):
+    """The reference counts that tell whether anything outside the slot holds its buffer,
+    its views, or (CuPy) its memory: derived views and DLPack or CUDA-array-interface
+    consumers all hold one of these."""
+    flat, views = slot[0], slot[1]
+    mem = None if isinstance(flat, np.ndarray) else flat.data.mem  # CuPy: the allocation itself
+    return (sys.getrefcount(flat), sys.getrefcount(mem) if mem is not None else 0,
+            tuple(sys.getrefcount(v) for v in views))
 
 
 class DistributedGradReducer:
@@ -562,6 +574,7 @@ class DistributedGradReducer:
             b.postscale = self.mean and not half_wire
             b.stream_mode = nccl and _is_gpu(fam, dev)
             b.work = None
+            b.outs = None
             self._buckets.append(b)
 
     def _reset_step(self):
@@ -746,17 +759,38 @@ class DistributedGradReducer:
         bucket, not one per gradient), reduced in place there, and returned as views of
         it, as PyTorch's ``_unflatten_dense_tensors`` gives them: no copy back.
         """
+        out = [None] * len(self._views)
         if isinstance(grads, (list, tuple)) and any(g is v for g, v in zip(grads, self._views)):
             self._run(grads)  # some gradients already live in the buckets: reduce there, then copy
-            flats = [b.fam.clone(b.flat) for b in self._buckets]
-        else:
-            flats = [b.fam.empty(b.numel, b.fam.spec(b.flat)[1], b.device) for b in self._buckets]
-            self._run(grads, into=flats)
-        out = [None] * len(self._views)
-        for b, flat in zip(self._buckets, flats):
-            for i, off, sz, shape in b.layout:
-                out[i] = b.fam.view(flat, off, sz, shape)
+            for b in self._buckets:
+                flat = b.fam.clone(b.flat)
+                for i, off, sz, shape in b.layout:
+                    out[i] = b.fam.view(flat, off, sz, shape)
+            return out
+        slots = [self._out_slot(b) for b in self._buckets]
+        self._run(grads, into=[sl[0] for sl in slots])
+        for b, sl in zip(self._buckets, slots):
+            for (i, _, _, _), v in zip(b.layout, sl[1]):
+                out[i] = v
         return out
+
+    def _out_slot(self, b):
+        """[flat, views] for reducer(grads)'s result: a kept one that nothing outside holds
+        any more (NumPy, CuPy: reference counts; making 161 views costs more host time than
+        the reduction), else a new one."""
+        pooled = b.fam is not TORCH  # a PyTorch view holds its base in C++, out of sight
+        if pooled:
+            if b.outs is None:
+                b.outs = []
+            for sl in b.outs:
+                if _refcounts(sl) == sl[2]:
+                    return sl
+        sl = [b.fam.empty(b.numel, b.fam.spec(b.flat)[1], b.device), None, None]
+        sl[1] = [b.fam.view(sl[0], off, sz, shape) for _, off, sz, shape in b.layout]
+        if pooled and len(b.outs) < _OUT_SLOTS:
+            b.outs.append(sl)
+            sl[2] = _refcounts(sl)  # the counts while only the slot holds them
+        return sl
 
     def reduce_(self, grads):
         """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""

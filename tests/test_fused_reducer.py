@@ -1,0 +1,96 @@
+"""reducer(grads)'s fused path: each bucket packed by one copy launch into a result buffer
+that is reduced in place; result buffers are reused only once nothing outside holds them
+(the results, views derived from them, exports). NumPy over MPI here; CuPy arrays on the
+NCCL backend (the multi-tensor copy kernel) where a GPU is."""
+import numpy as np
+import pytest
+
+import mpicomm
+from conftest import rank_rng
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = [(3, 4), (5,), (2, 2, 3), (1,), (7, 3)]
+
+
+def grads_of(q, k, name, xp=np, dtype=np.float64):
+    g = rank_rng(q, f"{name}-{k}")
+    return [xp.asarray(g.standard_normal(s).astype(dtype)) for s in SHAPES]
+
+
+def want_of(n, k, name, dtype=np.float64):
+    return [sum(grads_of(q, k, name, dtype=dtype)[i].astype(np.float64) for q in range(n)) for i in range(len(SHAPES))]
+
+
+def check_results_survive(xp, get, name, cap, dtype=np.float64):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    red = mpicomm.DistributedGradReducer([xp.zeros(s, dtype) for s in SHAPES], mean=False, bucket_cap_mb=cap)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else dict(rtol=1e-5, atol=1e-5)
+    a = red(grads_of(r, 1, name, xp, dtype))
+    b = red(grads_of(r, 2, name, xp, dtype))  # a is still held: its buffers must not be reused
+    for got, w in zip(a, want_of(n, 1, name, dtype)):
+        np.testing.assert_allclose(get(got), w, **tol)
+    keep = b[2][1:]  # a view derived from b
+    del a
+    c = red(grads_of(r, 3, name, xp, dtype))  # a's buffers are free again
+    del b
+    d = red(grads_of(r, 4, name, xp, dtype))  # b's results are dropped, but `keep` still looks at them
+    np.testing.assert_allclose(get(keep), want_of(n, 2, name, dtype)[2][1:], **tol)
+    for res, k in ((c, 3), (d, 4)):
+        for got, w, s in zip(res, want_of(n, k, name, dtype), SHAPES):
+            assert got.shape == s
+            np.testing.assert_allclose(get(got), w, **tol)
+    return red
+
+
+@pytest.mark.parametrize("cap", [25.0, 0, 100 / 2 ** 20])
+def test_results_survive_later_calls_numpy(comm, cap, request):
+    check_results_survive(np, lambda a: a, request.node.name, cap)
+
+
+def test_grad_views_given_to_call_are_left_alone(comm, request):
+    n, r = comm.get_group_size(), comm.get_rank()
+    red = mpicomm.DistributedGradReducer([np.zeros(s) for s in SHAPES], mean=True)
+    views = red.grad_views()
+    mine = grads_of(r, 0, request.node.name)
+    for v, g in zip(views, mine):
+        v[...] = g
+    out = red(views)
+    for got, w in zip(out, want_of(n, 0, request.node.name)):
+        np.testing.assert_allclose(got, w / n, rtol=1e-12, atol=1e-12)
+        assert not any(np.shares_memory(got, v) for v in views)
+
+
+@pytest.fixture(scope="module")
+def cupy_nccl(comm):
+    if mpicomm.get_backend() != "nccl":
+        pytest.skip("needs the NCCL backend (a GPU and CuPy)")
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [25.0, 0, 100 / 2 ** 20])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_results_survive_later_calls_cupy(cupy_nccl, cap, dtype, request):
+    check_results_survive(cupy_nccl, lambda a: a.get(), request.node.name, cap, dtype)
+
+
+@pytest.mark.gpu
+def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng):
+    """The copy kernel over buffers of every alignment (1-byte to 16-byte) and sizes
+    across its 256 KiB chunks, both ways."""
+    cp = cupy_nccl
+    from mpicomm.training.buckets import CUPY
+
+    sizes = [1, 3, 16, 17, 1000, (1 << 18) + 5, 2 * (1 << 18), 7]
+    arrays = [cp.asarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in sizes]
+    flat = cp.zeros(sum(sizes), np.uint8)
+    CUPY.pack(flat, arrays)
+    np.testing.assert_array_equal(flat.get(), np.concatenate([a.get() for a in arrays]))
+    back = [cp.zeros_like(a) for a in arrays]
+    offs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    CUPY.copy_out(back, [flat[o:o + s] for o, s in zip(offs, sizes)])
+    for a, b in zip(arrays, back):
+        np.testing.assert_array_equal(a.get(), b.get())
