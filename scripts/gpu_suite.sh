@@ -105,7 +105,8 @@ if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
     done
 fi
 if want torch; then  # mpicomm.torch: CUDA tensors, the DDP comparison at 2 and 4 GPUs, the fused reducer
-    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_torch.py
+    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_torch.py \
+        tests/test_fused_reducer.py tests/test_buckets.py
     for g in 2 4; do
         [ "$NGPU" -ge "$g" ] || continue
         step "bench-ddp-np$g" 300 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
