@@ -25,7 +25,8 @@
 # shared memory; within a host they use NVLink as on one machine. Needs root, unshare and
 # nsenter (util-linux), python3. Variables: OUT (logs, default ./out), PY (python3),
 # MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
-# (10.78.0), QUICK=1 (smaller sizes everywhere).
+# (10.78.0), QUICK=1 (smaller sizes everywhere), MPICOMM_REHEARSAL_GPU (auto: the GPU steps
+# where 4 GPUs and CuPy are; 1 or 0 to choose), NGPU (GPUs to split between the hosts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -146,6 +147,8 @@ export OMPI_MCA_pml=ob1 OMPI_MCA_btl_tcp_if_include=$IFNAME OMPI_MCA_oob_tcp_if_
 export PRTE_MCA_oob_tcp_if_include=$IFNAME
 # NCCL between hosts: TCP sockets on the veth; no InfiniBand, no multi-node NVLink, no NVLS.
 export NCCL_SOCKET_IFNAME=$IFNAME NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0 NCCL_NVLS_ENABLE=0
+# NVLink multicast stays off everywhere on shared GPU machines (NCCL above, PyTorch, NVSHMEM).
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 SHELL=/bin/bash
 export PYTHONPATH=$ROOT\${PYTHONPATH:+:\$PYTHONPATH}
 # Each host's GPUs come from host_gpus on that host; a value here would go to every rank.
@@ -203,6 +206,7 @@ expect_failure() {  # expect_failure NAME LIMIT_S PATTERN CMD...: must fail; its
 
 cmd_run() {
     OUT=${OUT:-$ROOT/out}
+    export PYTHONUNBUFFERED=1
     mkdir -p "$OUT"
     LOG=$OUT/cluster_log.txt SUM=$OUT/cluster_summary.txt
     local res=$OUT/cluster_res
@@ -231,10 +235,17 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     echo "hosts up in $((SECONDS - t_up))s: ${HOSTS[0]} $PREFIX.1, ${HOSTS[1]} $PREFIX.2 (veth $IFNAME); GPUs: $(grep -o '[a-z0-9]*) export CUDA_VISIBLE_DEVICES=[0-9,]*' "$STATE/host_gpus" | tr '\n' ' ')" | tee -a "$SUM"
 
     local gpu=0 backend=mpi
-    if ((ngpu >= 4)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1 backend=nccl; fi
+    case ${MPICOMM_REHEARSAL_GPU:-auto} in
+        auto) if ((ngpu >= 4)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1; fi ;;
+        1) gpu=1 ;;
+        0) gpu=0 ;;
+        *) die "MPICOMM_REHEARSAL_GPU=${MPICOMM_REHEARSAL_GPU}: expected auto, 1 (GPU steps) or 0 (MPI steps)" ;;
+    esac
+    ((gpu)) && backend=nccl
     # mpicomm-run on the first host, the hostfile naming both; every rank starts through
     # host_gpus (its host's GPUs), then Python under mpi4py (an exception ends the job).
-    local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n 4)
+    local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n 4
+                  -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED)
     local -a PYR=("$STATE/host_gpus" "$PY" -m mpi4py)
     local -a PYT=(-m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi -x)
     local q=${QUICK:-0}
