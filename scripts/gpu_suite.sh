@@ -107,6 +107,7 @@ fi
 if want torch; then  # mpicomm.torch: CUDA tensors, the DDP comparison at 2 and 4 GPUs, the fused reducer
     step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_torch.py \
         tests/test_fused_reducer.py tests/test_buckets.py
+    step "train-torch-np$NGPU" 120 "${MPI[@]}" "$NGPU" "$PY" scripts/train_torch.py --min-accuracy 0.95 --log-every 1000
     for g in 2 4; do
         [ "$NGPU" -ge "$g" ] || continue
         step "bench-ddp-np$g" 300 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
