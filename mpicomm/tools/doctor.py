@@ -413,6 +413,7 @@ def net_matrix(comm, rows, *, nbytes=64 << 20, iters=1000, reps=5):
         # NCCL reads these once, at its first use in the process: before any communicator.
         log_path = os.path.join(tempfile.gettempdir(), f"mpicomm-doctor-nccl.{os.getpid()}.log")
         os.environ["NCCL_DEBUG"] = "INFO"
+        os.environ["NCCL_DEBUG_SUBSYS"] = "INIT"   # the "Channel ... via TRANSPORT" lines
         os.environ["NCCL_DEBUG_FILE"] = log_path
     results = []
     try:
