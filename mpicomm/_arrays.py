@@ -88,6 +88,11 @@ def to_host(x, arg="x"):
             a = np.from_dlpack(x)
         except Exception as e:
             raise invalid(arg, type(x).__name__, f"a host array (DLPack export failed: {e})") from None
+        if not a.flags.writeable:   # DLPack exports are often read-only views of writable memory:
+            try:                    # writable, an in-place result lands in x itself
+                a.flags.writeable = True
+            except ValueError:
+                pass
         return np.ascontiguousarray(a), None
     try:
         a = np.asarray(memoryview(x))
@@ -200,6 +205,16 @@ def write_back(x, h):
 
         cupy.asarray(x).set(h.reshape(cupy.asarray(x).shape))
         return x
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__buffer__"):
+        a = np.from_dlpack(x)
+        if not np.shares_memory(a, h):   # h is a copy (x's export was read-only): write it back
+            try:
+                a.flags.writeable = True
+            except ValueError:
+                raise invalid("x", f"read-only {type(x).__name__}", "a writable array "
+                              "(the result is written into it)") from None
+            a[...] = h.reshape(a.shape)
+        return x
     return x  # buffer-protocol objects: h is a view of their memory
 
 
@@ -207,8 +222,18 @@ def check_writable(x, arg="x", why="the result is written into it"):
     """Raise, naming ``arg``, when the caller's ``x`` cannot receive a result in place."""
     if isinstance(x, np.ndarray):
         ro = not x.flags.writeable
-    elif is_torch(x) or is_gpu_array(x) or hasattr(x, "__dlpack__"):
+    elif is_torch(x) or is_gpu_array(x):
         ro = False
+    elif hasattr(x, "__dlpack__"):   # a host DLPack export: writable unless its memory is read-only
+        try:
+            a = np.from_dlpack(x)
+            if not a.flags.writeable:
+                a.flags.writeable = True
+            ro = False
+        except ValueError:
+            ro = True
+        except Exception:
+            ro = False
     else:
         try:
             ro = memoryview(x).readonly

@@ -245,3 +245,45 @@ def test_broadcast_into_read_only_raises_everywhere(comm, tmp_path, what):
             mpicomm.broadcast(x, root=root)
     y = mpicomm.all_reduce(of(r, "fine2", 5))   # nothing pending
     np.testing.assert_array_equal(y, expect("fine2", 5, ReduceOp.SUM, n))
+
+
+def test_read_only_dlpack_refused_everywhere(comm):
+    """A DLPack object over read-only memory cannot take a result in place: refused on every
+    rank before anyone communicates (not a silent copy that never reaches the object)."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    a = of(r, "rodl", 6)
+    a.flags.writeable = False
+    d = DLPackOnly(a)
+    with pytest.raises(InvalidArgumentError, match=r"invalid out='read-only DLPackOnly'"):
+        mpicomm.all_reduce(d, out=d)
+    with pytest.raises(InvalidArgumentError, match=r"invalid x='read-only DLPackOnly'"):
+        mpicomm.broadcast(d, root=0)
+    np.testing.assert_array_equal(a, of(r, "rodl", 6))
+    # as input only it is fine
+    np.testing.assert_array_equal(mpicomm.all_reduce(d), expect("rodl", 6, ReduceOp.SUM, n))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_torch_cpu_in_place(comm, dtype):
+    """PyTorch CPU tensors in place (all_reduce, reduce on every root, all_to_all), where torch
+    is installed (the same on every rank)."""
+    torch = pytest.importorskip("torch")
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    tdt = getattr(torch, dtype)
+    for op in (ReduceOp.SUM, ReduceOp.MAX):
+        x = torch.from_numpy(of(r, f"t{op}", 8)).to(tdt)
+        assert mpicomm.all_reduce(x, op, out=x) is x
+        np.testing.assert_array_equal(x.double().numpy(), expect(f"t{op}", 8, op, n))
+        for root in range(n):
+            x = torch.from_numpy(of(r, f"t{op}{root}", 8)).to(tdt)
+            res = mpicomm.reduce(x, op, root=root, out=x)
+            if r == root:
+                assert res is x
+                np.testing.assert_array_equal(x.double().numpy(), expect(f"t{op}{root}", 8, op, n))
+            else:
+                assert res is None
+                np.testing.assert_array_equal(x.double().numpy(), of(r, f"t{op}{root}", 8))
+    x = torch.from_numpy(of(r, "ta2a", 3 * n)).to(tdt)
+    assert mpicomm.all_to_all(x, out=x) is x
+    exp = np.concatenate([of(j, "ta2a", 3 * n)[3 * r:3 * r + 3] for j in range(n)])
+    np.testing.assert_array_equal(x.double().numpy(), exp)
