@@ -62,6 +62,42 @@ cmd_down() {
     return 0
 }
 
+start_holders() {  # start_holders mount|plain: one holder per host; fails if any did not come up
+    local mode=$1 host pid ok=0
+    for host in "${HOSTS[@]}"; do
+        pid=$(holder_pid "$host"); [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
+        # The holder keeps the namespaces alive: its host name is the host's, and (mount)
+        # in its mount namespace /etc/hosts names both hosts; the machine's file is untouched.
+        if [[ $mode == mount ]]; then
+            unshare --net --uts --mount --propagation private -- sh -c \
+                'mount --bind "$2" /etc/hosts && hostname "$1" && exec sleep infinity' sh "$host" "$STATE/hosts" \
+                </dev/null >"$STATE/$host.holder.log" 2>&1 &
+        else
+            unshare --net --uts -- sh -c 'hostname "$1" && exec sleep infinity' sh "$host" \
+                </dev/null >"$STATE/$host.holder.log" 2>&1 &
+        fi
+        echo $! >"$STATE/$host.pid"
+        disown $!
+    done
+    for host in "${HOSTS[@]}"; do
+        for _ in $(seq 50); do
+            pid=$(holder_pid "$host")
+            [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] && break
+            [[ -d /proc/$(cat "$STATE/$host.pid") ]] || break   # it died: the log says why
+            sleep 0.1
+        done
+        pid=$(holder_pid "$host")
+        if [[ -z $pid || $(nsenter -t "$pid" -u hostname 2>/dev/null) != "$host" ]]; then
+            sed "s/^/    $host: /" "$STATE/$host.holder.log" >&2
+            ok=1
+        fi
+    done
+    if ((ok)); then
+        for host in "${HOSTS[@]}"; do pid=$(holder_pid "$host"); [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null; done
+    fi
+    return $ok
+}
+
 gpu_count() {
     if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' ; else echo 0; fi
 }
@@ -78,27 +114,19 @@ cmd_up() {
         printf '127.0.0.1\tlocalhost\n'
         for i in "${!HOSTS[@]}"; do printf '%s\t%s\n' "$PREFIX.$((i + 1))" "${HOSTS[$i]}"; done
     } >"$STATE/hosts"
-    for i in "${!HOSTS[@]}"; do
-        host=${HOSTS[$i]}
-        # The holder keeps the namespaces alive: its host name is the host's, and in its
-        # mount namespace /etc/hosts names both hosts (the machine's own file is untouched).
-        unshare --net --uts --mount --propagation private -- sh -c \
-            'mount --bind "$2" /etc/hosts && hostname "$1" && exec sleep infinity' sh "$host" "$STATE/hosts" \
-            </dev/null >"$STATE/$host.holder.log" 2>&1 &
-        echo $! >"$STATE/$host.pid"
-        disown $!
-    done
-    for host in "${HOSTS[@]}"; do
-        for _ in $(seq 50); do
-            pid=$(holder_pid "$host")
-            [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] && break
-            sleep 0.1
-        done
-        pid=$(holder_pid "$host")
-        [[ -n $pid && $(nsenter -t "$pid" -u hostname 2>/dev/null) == "$host" ]] || {
-            cat "$STATE/$host.holder.log" >&2; cmd_down
-            die "could not create namespaces for $host (unshare --net --uts --mount, mount --bind)"; }
-    done
+    # Hosts with their own /etc/hosts (mount namespace) where the machine allows it, else
+    # without: then the hostfile names the hosts by address.
+    local mode=mount
+    [[ ${MPICOMM_REHEARSAL_MOUNT:-1} == 0 ]] && mode=plain
+    if ! start_holders "$mode"; then
+        [[ $mode == mount ]] || { cmd_down; die "could not create the hosts' namespaces (unshare --net --uts)"; }
+        echo "gpu_cluster_rehearsal.sh: no mount namespace with its own /etc/hosts here; the hostfile names the hosts by address" >&2
+        mode=plain
+        start_holders plain || { cmd_down; die "could not create the hosts' namespaces (unshare --net --uts)"; }
+    fi
+    local nsflags="-n -u"
+    [[ $mode == mount ]] && nsflags="-n -u -m"
+    echo "$nsflags" >"$STATE/nsflags"
     "$PY" scripts/netns_link.py veth "$IFNAME" "$(holder_pid "${HOSTS[0]}")" "$(holder_pid "${HOSTS[1]}")" \
         || { cmd_down; die "could not make the veth pair"; }
     for i in "${!HOSTS[@]}"; do
@@ -112,9 +140,10 @@ cmd_up() {
 #!/bin/bash
 while [[ \${1:-} == -* ]]; do shift; done
 host=\$1; shift
-pidfile="$STATE/\$host.pid"
+name=\$(awk -v h="\$host" '\$1 == h {print \$2}' "$STATE/hosts")   # an address: its host
+pidfile="$STATE/\${name:-\$host}.pid"
 [[ -r \$pidfile ]] || { echo "rsh_agent: unknown host '\$host' (no \$pidfile)" >&2; exit 255; }
-exec nsenter -t "\$(cat "\$pidfile")" -n -u -m --wd="\$HOME" -- /bin/bash -c "\$*"
+exec nsenter -t "\$(cat "\$pidfile")" \$(cat "$STATE/nsflags") --wd="\$HOME" -- /bin/bash -c "\$*"
 EOF
     # Each host sees its half of the GPUs, chosen by its host name.
     local ngpu half
@@ -134,7 +163,9 @@ EOF
     chmod 755 "$STATE/rsh_agent" "$STATE/host_gpus"
     {
         echo "# written by scripts/gpu_cluster_rehearsal.sh: 2 hosts x 2 ranks"
-        for host in "${HOSTS[@]}"; do echo "$host slots=2"; done
+        for i in "${!HOSTS[@]}"; do
+            if [[ $mode == mount ]]; then echo "${HOSTS[$i]} slots=2"; else echo "$PREFIX.$((i + 1)) slots=2"; fi
+        done
     } >"$STATE/hostfile"
     # What every command on the hosts runs with (cmd_exec sources it).
     cat >"$STATE/env.sh" <<EOF
@@ -176,7 +207,8 @@ cmd_exec() {
     local pid
     pid=$(holder_pid "$host")
     [[ -n $pid ]] || die "exec: $host is not up; run: $0 up"
-    nsenter -t "$pid" -n -u -m --wd="$PWD" -- /bin/bash -c 'source "$1"; shift; exec "$@"' bash "$STATE/env.sh" "$@"
+    # shellcheck disable=SC2046
+    nsenter -t "$pid" $(cat "$STATE/nsflags") --wd="$PWD" -- /bin/bash -c 'source "$1"; shift; exec "$@"' bash "$STATE/env.sh" "$@"
 }
 
 # ----------------------------------------------------------------------------- run
