@@ -264,9 +264,19 @@ def _root_of(g, root):
     raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
 
 
+_CHECKED = set()   # (group size, sizes, their types) found valid: a repeated call skips the checks
+
+
 def _check_sizes(g, sizes, arg="sizes"):
     """``sizes`` as a tuple of ints, one non-negative int per rank of the group."""
     n = g.size
+    if sizes.__class__ is list or sizes.__class__ is tuple:
+        t = tuple(sizes)
+        try:   # the types too: True == 1 and 1.0 == 1, but neither is a size
+            if (n, t, tuple(map(type, t))) in _CHECKED:
+                return t
+        except TypeError:   # an unhashable entry: refused below
+            pass
     try:
         t = tuple(sizes)
     except TypeError:
@@ -275,6 +285,11 @@ def _check_sizes(g, sizes, arg="sizes"):
                                            and v >= 0 for v in t):
         raise invalid(arg, sizes, f"'auto' or a sequence of {n} non-negative ints (one axis-0 length per "
                       f"rank of group {g.name!r})")
+    kinds = tuple(map(type, t))
+    if all(k is int for k in kinds):   # plain ints: what a hit returns as it is
+        if len(_CHECKED) > 1024:
+            _CHECKED.clear()
+        _CHECKED.add((n, t, kinds))
     return tuple(int(v) for v in t)
 
 
