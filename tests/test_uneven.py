@@ -69,6 +69,10 @@ def test_all_gather_sizes_out_and_in_place(comm, subgroup, which, request):
     out2[lo:lo + sizes[me]] = x
     assert mpicomm.all_gather(out2[lo:lo + sizes[me]], out=out2, group=g, sizes=sizes) is out2
     close(out2, want, np.float32)
+    # a non-contiguous input is copied first; a repeated call reuses the prepared one
+    wide = np.repeat(x, 2, axis=1)
+    for _ in range(2):
+        close(mpicomm.all_gather(wide[:, ::2], group=g, sizes=sizes), want, np.float32)
 
 
 def test_all_gather_sizes_reuses_its_prepared_call(comm, request):

@@ -615,7 +615,7 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("all_gather", xh.shape, dtype)
 
-        def run(x, out):
+        def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
             part = o is xh or (role == 2 and np.may_share_memory(o, xh))
             sb = MPI.IN_PLACE if part else [xh, dt]
@@ -623,7 +623,20 @@ class MPITransport:
             return self._finish_v(lambda: comm.Allgatherv(sb, rb), lambda: comm.Iallgatherv(sb, rb), async_op,
                                   o, fin, (xh, o), what, role, out)
 
-        return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
+        if x.__class__ is np.ndarray and role != 1 and not async_op:
+            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
+                comm.Allgatherv([x, dt], [o, (counts, displs), dt])
+                return o
+            return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
+        return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run_any)
 
     def _prepare_all_to_all_v(self, x, out, arg, async_op, stream):
         _, ins, outs = arg
@@ -651,7 +664,7 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("all_to_all", xh.shape, dtype)
 
-        def run(x, out):
+        def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype)
             if o is xh:   # in place: MPI's send and receive buffers must differ
                 xh = xh.copy()
@@ -659,7 +672,20 @@ class MPITransport:
             return self._finish_v(lambda: comm.Alltoallv(sb, rb), lambda: comm.Ialltoallv(sb, rb), async_op,
                                   o, fin, (xh, o), what, role, out)
 
-        return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run)
+        if x.__class__ is np.ndarray and role != 1 and not async_op:
+            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
+                comm.Alltoallv([x, (sc, sd), dt], [o, (rc, rd), dt])
+                return o
+            return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run)
+        return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run_any)
 
     def _prepare_reduce_scatter_v(self, x, out, arg, async_op, stream):
         op, sizes, _ = arg
