@@ -370,7 +370,7 @@ def test_unmatched_recv_names_the_peer_with_its_stack(n, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("mode, call, other", [("recv_nosend", "recv from", "send"),
-                                               ("send_norecv", "send to", "recv")], ids=["recv", "send"])
+                                               ("send_norecv", "send to", "recv")], ids=["nccl-gpu-recv", "nccl-gpu-send"])
 def test_unmatched_gpu_send_recv_is_named(mode, call, other, tmp_path):
     """NCCL: the send/recv is enqueued and returns; the rank then waits in a stream
     synchronize. The watchdog keeps the call published until the GPU has done it, and
