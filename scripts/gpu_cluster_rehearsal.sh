@@ -152,7 +152,9 @@ EOF
     {
         echo '#!/bin/bash'
         echo '# Rank wrapper: CUDA_VISIBLE_DEVICES of the host this rank runs on, then the command.'
-        if ((half > 0)); then
+        if ((${HIDE_GPUS:-0})); then
+            echo 'export CUDA_VISIBLE_DEVICES=   # the MPI steps: no rank sees a GPU'
+        elif ((half > 0)); then
             echo 'case $(hostname) in'
             echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) ;;"
             echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(seq -s, "$half" $((2 * half - 1))) ;;"
@@ -272,10 +274,6 @@ try:
     import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())
 except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     } >>"$SUM" 2>&1
-    local t_up=$SECONDS
-    cmd_up >>"$LOG" 2>&1 || { echo "up failed; see $LOG" | tee -a "$SUM"; tail -5 "$LOG"; return 1; }
-    echo "hosts up in $((SECONDS - t_up))s: ${HOSTS[0]} $PREFIX.1, ${HOSTS[1]} $PREFIX.2 (veth $IFNAME); GPUs: $(grep -o '[a-z0-9]*) export CUDA_VISIBLE_DEVICES=[0-9,]*' "$STATE/host_gpus" | tr '\n' ' ')" | tee -a "$SUM"
-
     local gpu=0 backend=mpi
     case ${MPICOMM_REHEARSAL_GPU:-auto} in
         auto) if ((ngpu >= 4)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1; fi ;;
@@ -284,6 +282,13 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
         *) die "MPICOMM_REHEARSAL_GPU=${MPICOMM_REHEARSAL_GPU}: expected auto, 1 (GPU steps) or 0 (MPI steps)" ;;
     esac
     ((gpu)) && backend=nccl
+    # Fewer than 4 GPUs, or the MPI steps chosen: no rank sees a GPU (each host needs 2).
+    local hide=0
+    ((!gpu && ngpu > 0)) && hide=1
+    local t_up=$SECONDS
+    NGPU=$ngpu HIDE_GPUS=$hide cmd_up >>"$LOG" 2>&1 || { echo "up failed; see $LOG" | tee -a "$SUM"; tail -5 "$LOG"; return 1; }
+    echo "hosts up in $((SECONDS - t_up))s: ${HOSTS[0]} $PREFIX.1, ${HOSTS[1]} $PREFIX.2 (veth $IFNAME); GPUs: $(grep -o '[a-z0-9]*) export CUDA_VISIBLE_DEVICES=[0-9,]*' "$STATE/host_gpus" | tr '\n' ' ')$( ((hide)) && echo "none (hidden: the MPI steps)")" | tee -a "$SUM"
+
     # mpicomm-run on the first host, the hostfile naming both; every rank starts through
     # host_gpus (its host's GPUs), then Python under mpi4py (an exception ends the job).
     local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n 4
@@ -344,14 +349,20 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     [[ $failed == 0 ]]
 }
 
-case ${1:-run} in
-    up) cmd_up ;;
-    down) cmd_down ;;
-    exec)
-        shift
-        [[ $# -ge 1 ]] || die "exec: give a host (${HOSTS[*]}) and a command"
-        [[ " ${HOSTS[*]} " == *" $1 "* ]] || die "exec: unknown host '$1' (known: ${HOSTS[*]})"
-        cmd_exec "$@" ;;
-    run) cmd_run ;;
-    *) echo "usage: $0 [run|up|down|exec HOST CMD [ARGS...]]" >&2; exit 2 ;;
-esac
+# All code is in functions, read before any of it runs: editing this file while it runs
+# cannot change the run.
+main() {
+    case ${1:-run} in
+        up) cmd_up ;;
+        down) cmd_down ;;
+        exec)
+            shift
+            [[ $# -ge 1 ]] || die "exec: give a host (${HOSTS[*]}) and a command"
+            [[ " ${HOSTS[*]} " == *" $1 "* ]] || die "exec: unknown host '$1' (known: ${HOSTS[*]})"
+            cmd_exec "$@" ;;
+        run) cmd_run ;;
+        *) echo "usage: $0 [run|up|down|exec HOST CMD [ARGS...]]" >&2; exit 2 ;;
+    esac
+}
+
+main "$@"; exit $?
