@@ -370,7 +370,7 @@ def main(argv=None):
             ratio, diff, sp = r.get("exposed_ratio"), r["rel_param_diff_vs_ddp"], r.get("speedup_vs_ddp")
             rate = {m: ("-" if m not in ms else f"{1e3 / ms[m]:.1f}") for m in ("ddp", "mpicomm")}
             floor = r["rel_param_diff_ddp_vs_ddp"]
-            verdict = "-" if diff is None else (f"{diff:.1e} (DDP twice: {floor:.1e}) "
+            verdict = "-" if diff is None else (f"{diff:.1e} (DDP, other buckets: {floor:.1e}) "
                                                 + ("ok" if r["check_ok"] else "FAIL"))
             print(f"| {nm} | {r['batch_per_rank']} | {cell('none')} | {cell('ddp')} | {cell('mpicomm')} | "
                   f"{'-' if ratio is None else format(ratio, '.2f')} | {'-' if sp is None else format(sp, '.3f')} | "
