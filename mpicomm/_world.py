@@ -85,7 +85,7 @@ def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
     CTX.debug = bool(debug)
     CTX.abort_on_exception = bool(abort_on_exception)
     # every rank must pick the same backend, or the first collective would hang
-    guard.stage = "agree"
+    guard.set("agree")
     picks = world.allgather(name)
     if len(set(picks)) > 1:
         world.Free()
@@ -94,10 +94,12 @@ def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
             "ranks chose different backends: " + ", ".join(f"rank {r}: {p}" for r, p in enumerate(picks))
             + "; set MPICOMM_BACKEND (or pass backend=) alike on every rank")
     err = None
+    guard.set("backend")
     try:
         backend_obj = get_backend_class(name)(CTX.local_rank)
     except BackendUnavailableError as e:
         err = e
+    guard.set("agree")
     errs = world.allgather(None if err is None else str(err))
     if any(errs):
         world.Free()
@@ -110,10 +112,10 @@ def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
     CTX.backend_name = name
     CTX.backend = backend_obj
     CTX.device_id = backend_obj.device_id
-    guard.stage = "transport"
+    guard.set("transport")
     CTX.world = Group(WORLD, range(world.Get_size()), world.Get_rank(), world, backend_obj.make_transport(world))
     CTX.groups = {}
-    guard.stage = "window"
+    guard.set("window")
     CTX.reliability = Reliability(CTX)
     _attach(CTX, CTX.world)
     Work.default_timeout = CTX.timeout or None

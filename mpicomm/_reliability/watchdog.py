@@ -466,13 +466,15 @@ def _now_at(st, names):
 
 class InitGuard:
     """Watches init() itself, before the progress window exists: if a stage does not end
-    within the timeout, prints which stage and aborts the job. Every rank must reach
-    each stage; which rank did not cannot be read yet (nothing is published before the
-    window), so the report says what the stage waits for."""
+    within the timeout (each stage has the whole timeout), prints which stage and aborts
+    the job. Every rank must reach each stage; which rank did not cannot be read yet
+    (nothing is published before the window), so the report says what the stage waits for."""
 
     STAGES = {
         "join": "joining the other ranks (MPI_Comm_dup of the world): every rank must call init()",
         "agree": "agreeing on the backend with the other ranks",
+        "backend": "starting the backend on this rank (under NCCL: importing CuPy, creating the CUDA "
+                   "context of the selected GPU)",
         "transport": "creating the world's transport (under NCCL: ncclCommInitRank, NCCL's own "
                      "bootstrap over the network; every rank has passed the backend agreement just before)",
         "window": "creating the progress window (MPI_Win_allocate on every rank)",
@@ -481,10 +483,15 @@ class InitGuard:
     def __init__(self, timeout, rank):
         self.timeout = timeout
         self.rank = rank
-        self.stage = "join"
         self._t = None
-        if timeout > 0:
-            self._t = threading.Timer(timeout, self._fire)
+        self.set("join")
+
+    def set(self, stage):
+        """Enter ``stage``: its own timeout starts now."""
+        self.done()
+        self.stage = stage
+        if self.timeout > 0:
+            self._t = threading.Timer(self.timeout, self._fire)
             self._t.daemon = True
             self._t.name = "mpicomm-init-guard"
             self._t.start()
