@@ -180,7 +180,9 @@ def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=
             raise invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) on "
                           f"every rank but the root {arg[0]}, or sizes='auto' on every rank (rank {g.rank})")
         out = arg[2]     # made from the root's facts, exchanged
-    return g.call(SCATTER, None if g.rank != arg[0] else x, out, Sized(arg[:2] + (None,)), async_op, stream)
+    # away from the root x is not read: out stands in for it, so a repeated call reuses its
+    # prepared call there too
+    return g.call(SCATTER, out if g.rank != arg[0] else x, out, Sized(arg[:2] + (None,)), async_op, stream)
 
 
 def barrier(group=None, async_op=False):

@@ -783,7 +783,8 @@ class MPITransport:
         root = self._root(root)
         n, rank, comm = self.size, self.rank, self.comm
         is_root = rank == root
-        if not is_root:   # the front made sure there is an out= (given, or made from the root's facts)
+        if not is_root:   # the front made sure there is an out= (given, or made from the root's facts);
+            # x is out there (not read)
             h, _ = to_host(out, "out")
             o, wb = host_out(out, h.shape, h.dtype, None, "out")
             self._axis0(o, "scatter", "out.shape")
@@ -801,7 +802,7 @@ class MPITransport:
                                   lambda: comm.Iscatter(None, rb, root) if even else comm.Iscatterv(None, rb, root),
                                   async_op, out, post, (o,), what)
                 return res
-            return Prepared(SCATTER, x, out, arg, async_op, stream, run, reuse=False)
+            return Prepared(SCATTER, x, out, arg, async_op, stream, run)
         xh, _ = _host(x)
         self._axis0(xh, "scatter")
         row = of_numpy(xh.dtype)
