@@ -202,6 +202,10 @@ def main():
             say("leaving")
             sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
         mpicomm.all_reduce(x)
+        if GPU:   # NCCL enqueues the call: the wait is here
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
         say("finished")
     elif MODE == "skip_create_group":  # rank 1 never comes to create_group
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))

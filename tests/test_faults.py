@@ -165,6 +165,21 @@ def test_early_exit_is_reported_within_seconds(status):
     nothing_left(token)
 
 
+@pytest.mark.parametrize("gpu", [GPU])
+def test_early_exit_on_gpu_is_reported_within_seconds(gpu):
+    """NCCL (nccl-gpu): rank 1 exits with 3 while rank 0's all_reduce waits on the GPU for it;
+    the watchdog's GPU check reads rank 1's exit mark and ends the job with 3, long before
+    the timeout (60 s)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, "early_exit", gpu, limit=120, env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": "3"},
+                  token=token)
+    nothing_left(token)
+    assert p.returncode == 3 and took < 40, (p.returncode, took, p.stderr[-3000:])
+    msg = report_of(p, 0, "CommunicationError")
+    assert "all_reduce sequence 2 on group 'world'" in msg and "cannot complete" in msg, msg
+    assert "Rank 1 has left the script (exit status 3) without reaching this call" in msg
+
+
 def test_early_exit_report_writes_the_flight_record(tmp_path):
     """The early-exit report, like the timeout's, ends with where the rank's record is."""
     p, took = run(3, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": "60"})

@@ -206,9 +206,11 @@ class Watchdog:
                 events[b] = (d, e, now, t.last_what, g)
                 continue
             d0, e, t0, what, g0 = ev
-            if not e.done and now - t0 >= self.timeout:
+            if not e.done and (now - t0 >= self.timeout
+                               or (now - t0 >= EXIT_CHECK and self._peer_exited(g0, d0 >> 4))):
                 desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
-                self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True)
+                self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True,
+                          early=now - t0 < self.timeout)
                 return
 
     def fire(self, g, seq, name, desc, waited, gpu=False, early=False):
