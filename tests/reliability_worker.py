@@ -233,6 +233,15 @@ def main():
         else:
             time.sleep(120)
         say("finished")
+    elif MODE == "tag_mismatch":  # rank 0 receives tag 5 from rank 1, which sends 16 MiB with tag 6
+        y = rng.standard_normal(4 << 20).astype(np.float32)
+        if r == 0:
+            mpicomm.recv(np.empty_like(y), 1, tag=5)
+        elif r == 1:
+            mpicomm.send(y, 0, tag=6)
+        else:
+            time.sleep(120)
+        say("finished")
     elif MODE == "exit_later":  # rank 1 leaves with EXIT_STATUS while the others compute (no call)
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
         if r == 1:

@@ -414,6 +414,46 @@ def test_unmatched_send_names_the_peer(n, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+def test_send_recv_with_different_tags_is_named():
+    """Rank 0 waits for tag 5 while rank 1 sends tag 6: both are in matching calls, and the
+    report says the tags differ (not "stuck in the transport")."""
+    p, took = fault(2, "tag_mismatch")
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4194304,), dtype float32) on group 'world' did "
+                          "not complete within 5 s"), msg
+    assert "Rank 1 is in the matching send with another tag: the tags differ" in msg, msg
+    assert re.search(r"^  rank 1: in send to rank 0 with tag 6, not 5$", p.stderr, re.M), p.stderr
+
+
+def test_exit_status_hook():
+    """What the peers are told: sys.exit/exit/quit statuses as Python turns them into exit
+    statuses, an uncaught exception as 1, nothing known otherwise; uninstall restores."""
+    import builtins
+
+    from mpicomm._reliability.abort import ExitStatus
+
+    before = (sys.exit, builtins.exit, builtins.quit)
+    e = ExitStatus()
+    e.install()
+    try:
+        assert e.status() is None
+        for call, arg, want in ((sys.exit, 3, 3), (sys.exit, None, 0), (sys.exit, "bye", 1), (sys.exit, 258, 2),
+                                (builtins.exit, 7, 7), (builtins.quit, 0, 0), (sys.exit, True, 1)):
+            with pytest.raises(SystemExit) as ex:
+                call(arg)
+            assert ex.value.code == arg and e.status() == want, (call, arg)
+        e.code = None
+        sys.last_value = ValueError("uncaught")
+        try:
+            assert e.status() == 1
+        finally:
+            del sys.last_value
+    finally:
+        e.uninstall()
+    assert (sys.exit, builtins.exit, builtins.quit) == before
+
+
 @pytest.mark.parametrize("n,status", [(2, 3), (4, 0)])
 def test_recv_from_a_rank_that_exits(n, status):
     """Rank 1 exits while rank 0 waits for its send: rank 0 says so within seconds, and the
