@@ -137,17 +137,23 @@ def finalize():
     """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
     if not CTX.initialized:
         return
-    complete_dropped()   # dropped async work still writes into its buffers: finish it first
-    CTX.reliability.close(free=True)
-    for g in list(CTX.groups.values()) + [CTX.world]:
-        if g.transport is not None:
-            g.transport.close()
-        if g.mpi_comm is not None:
-            g.mpi_comm.Free()
-    if CTX.local_comm is not None:
-        CTX.local_comm.Free()
-    if CTX.backend is not None:
-        CTX.backend.close()
+    # watched by a timer (the watchdog stops below): a stage past the timeout is reported
+    guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "dropped")
+    try:
+        complete_dropped()   # dropped async work still writes into its buffers: finish it first
+        guard.set("free")
+        CTX.reliability.close(free=True)
+        for g in list(CTX.groups.values()) + [CTX.world]:
+            if g.transport is not None:
+                g.transport.close()
+            if g.mpi_comm is not None:
+                g.mpi_comm.Free()
+        if CTX.local_comm is not None:
+            CTX.local_comm.Free()
+        if CTX.backend is not None:
+            CTX.backend.close()
+    finally:
+        guard.done()
     CTX.reset()
 
 

@@ -480,13 +480,17 @@ class InitGuard:
         "transport": "creating the world's transport (under NCCL: ncclCommInitRank, NCCL's own "
                      "bootstrap over the network; every rank has passed the backend agreement just before)",
         "window": "creating the progress window (MPI_Win_allocate on every rank)",
+        "dropped": "completing dropped async work (its peers must take part)",
+        "free": "freeing the communicators (under NCCL, ncclCommDestroy waits for the work still queued "
+                "on them, which a stuck peer never completes)",
     }
 
-    def __init__(self, timeout, rank):
+    def __init__(self, timeout, rank, call="init()", first="join"):
         self.timeout = timeout
         self.rank = rank
+        self.call = call
         self._t = None
-        self.set("join")
+        self.set(first)
 
     def set(self, stage):
         """Enter ``stage``: its own timeout starts now."""
@@ -499,10 +503,10 @@ class InitGuard:
             self._t.start()
 
     def _fire(self):
-        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: rank {self.rank}: init() did not complete "
-                         f"within {self.timeout:g} s; stage: {self.STAGES.get(self.stage, self.stage)}. "
-                         "A rank that never calls init() cannot be named here (progress is published from "
-                         "the end of init on).\n"
+        why = ("A rank that never calls init() cannot be named here (progress is published from the end "
+               "of init on)." if self.call == "init()" else "")
+        sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: rank {self.rank}: {self.call} did not complete "
+                         f"within {self.timeout:g} s; stage: {self.STAGES.get(self.stage, self.stage)}. {why}\n"
                          f"{rank_prefix()}  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)\n"
                          f"{rank_prefix()}aborting the job\n")
         sys.stderr.flush()
