@@ -15,9 +15,8 @@ data, different on every rank; bf16 autocast on GPUs; SGD with momentum.
 Before timing, an mpicomm-wrapped and a DDP-wrapped copy of each model train
 --check-steps steps from the same seed on the same data, in float32 with deterministic kernels;
 their parameters must agree within a relative --tolerance (1e-4, ||a - b|| / ||b|| over
-all parameters), or the script exits 1 after the table. DDP trained again with buckets a
-quarter the size (NCCL then sums in another order) shows how far a correct reduction in
-another order lands.
+all parameters), or within twice what DDP trained again with buckets a quarter the size
+(NCCL then sums in another order) differs from DDP, or the script exits 1 after the table.
 """
 from __future__ import annotations
 
@@ -328,7 +327,9 @@ def main(argv=None):
         if args.check_steps > 0 and "ddp" in modes and "mpicomm" in modes:
             worst, floor, moved = check(case, device, args, batches)
             worst, floor = comm.allreduce(worst, op=MAX), comm.allreduce(floor, op=MAX)
-            ok = worst <= args.tolerance and moved > 0
+            # within the tolerance, or no further from DDP than DDP is from itself when only
+            # the reduction order changes (ResNet-50 on 4 GPUs: 1.8e-2 after 10 steps)
+            ok = moved > 0 and (worst <= args.tolerance or worst <= 2 * floor)
             failed |= not ok
         else:
             worst, floor, moved, ok = None, None, None, None
@@ -377,7 +378,8 @@ def main(argv=None):
             print(f"# wrote {args.json}")
         if failed:
             print(f"# FAIL: parameters after {args.check_steps} steps differ from DDP's by more than "
-                  f"{args.tolerance:g} (relative), or did not move", file=sys.stderr)
+                  f"{args.tolerance:g} (relative) and by more than twice DDP's own difference with other "
+                  "buckets, or did not move", file=sys.stderr)
     comm.Barrier()
     import torch.distributed as dist
 
