@@ -11,8 +11,9 @@
 #   scripts/gpu_cluster_rehearsal.sh down         remove everything "up" made (safe to repeat)
 #
 # The hosts: gpuhost1 (10.78.0.1) and gpuhost2 (10.78.0.2), each a process ("holder")
-# that sleeps in its own network and UTS namespaces; a veth pair named mpc0 on both ends
-# joins them (made through netlink by scripts/netns_link.py: the standard library only).
+# that sleeps in its own network, UTS and mount namespaces (an /etc/hosts naming both;
+# where no mount namespace can be made, the hostfile names them by address); a veth pair
+# named mpc0 on both ends joins them (made through netlink by scripts/netns_link.py).
 # mpicomm-run starts on gpuhost1 with the hostfile naming both; Open MPI starts the ranks
 # on gpuhost2 through the agent $STATE/rsh_agent, which enters gpuhost2's namespaces with
 # nsenter where ssh would log in. Each host sees its own GPUs only: the rank wrapper
@@ -22,11 +23,12 @@
 #
 # NCCL tells hosts apart by a hash of the host name, so ranks on different hosts talk
 # through its network transport (NET/Socket on mpc0), never through NVLink, PCIe P2P or
-# shared memory; within a host they use NVLink as on one machine. Needs root, unshare and
-# nsenter (util-linux), python3. Variables: OUT (logs, default ./out), PY (python3),
+# shared memory; within a host NCCL may use NVLink as on one machine. Needs root, unshare
+# and nsenter (util-linux), python3. Variables: OUT (logs, default ./out), PY (python3),
 # MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
-# (10.78.0), QUICK=1 (smaller sizes everywhere), BUDGET_S (540: later steps are skipped), MPICOMM_REHEARSAL_GPU (auto: the GPU steps
-# where 4 GPUs and CuPy are; 1 or 0 to choose), NGPU (GPUs to split between the hosts).
+# (10.78.0), QUICK=1 (smaller sizes everywhere), BUDGET_S (540: later steps are skipped),
+# MPICOMM_REHEARSAL_GPU (auto: the GPU steps where 4 GPUs and CuPy are; 1 or 0 to choose),
+# NGPU (GPUs to split between the hosts), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -180,6 +182,9 @@ export OMPI_MCA_pml=ob1 OMPI_MCA_btl_tcp_if_include=$IFNAME OMPI_MCA_oob_tcp_if_
 export PRTE_MCA_oob_tcp_if_include=$IFNAME
 # NCCL between hosts: TCP sockets on the veth; no InfiniBand, no multi-node NVLink, no NVLS.
 export NCCL_SOCKET_IFNAME=$IFNAME NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0 NCCL_NVLS_ENABLE=0
+export NCCL_DEBUG=\${NCCL_DEBUG:-WARN}   # NCCL's warnings go to the log
+# A machine-wide setting of these would contradict the above or make the hosts one to NCCL.
+unset OMPI_MCA_btl_tcp_if_exclude OMPI_MCA_oob_tcp_if_exclude PRTE_MCA_oob_tcp_if_exclude NCCL_HOSTID
 # NVLink multicast stays off everywhere on shared GPU machines (NCCL above, PyTorch, NVSHMEM).
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 SHELL=/bin/bash
