@@ -293,7 +293,7 @@ _tables = {}       # (srcs, dsts, sizes) -> (device table, chunks); a few, the m
 _TABLES_KEPT = 64
 
 
-def _multi_copy(cp, a, b, nbytes, gather):
+def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None):
     """Copy many contiguous device buffers in one kernel launch on the current stream.
 
     gather=True: ``a`` are source pointers, ``b`` the destination base (packed one after
@@ -301,7 +301,7 @@ def _multi_copy(cp, a, b, nbytes, gather):
     table goes to the device once per set of pointers and is then reused (a step that
     hands the same gradient arrays, or a few sets of them in turn, uploads nothing).
     """
-    key = (gather, tuple(a), b if gather else tuple(b), tuple(nbytes))
+    key = (gather, tuple(a), b if gather else tuple(b), sizes_key if sizes_key is not None else tuple(nbytes))
     hit = _tables.get(key)
     dev = cp.cuda.runtime.getDevice()
     if hit is None or hit[2] != dev:
@@ -438,7 +438,7 @@ def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
 
 class _Bucket:
     __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
-                 "stream_mode", "remaining", "work", "numel", "layout", "outs")
+                 "stream_mode", "remaining", "work", "numel", "layout", "outs", "sizes")
 
 
 _OUT_SLOTS = 2  # result buffers kept per bucket for reducer(grads), reused once the caller drops them
@@ -528,6 +528,13 @@ class DistributedGradReducer:
         self.compression = compression
         self.fp32_sync = bool(fp32_sync)
         self._specs = specs
+        # CuPy gradients: what one pass over them compares (shape, dtype, device, C strides)
+        self._cupy_specs = None
+        if specs and all(sp[0] is CUPY for sp in specs):
+            self._cupy_specs = [(tuple(sh), dt, int(dev.split(":")[1]),
+                                 tuple(int(np.prod(sh[k + 1:], dtype=np.int64)) * dt.itemsize
+                                       for k in range(len(sh))))
+                                for _, sh, dt, dev, _ in specs]
         self._plan = plan
         self._build(plan, specs)
         self._reset_step()
@@ -555,6 +562,7 @@ class DistributedGradReducer:
             off = 0
             b.views = []
             b.layout = []  # (gradient index, offset, size, shape)
+            b.sizes = tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else None
             for i, sz in zip(idx, sizes):
                 b.layout.append((i, off, sz, specs[i][1]))
                 v = fam.view(b.flat, off, sz, specs[i][1])
@@ -620,6 +628,20 @@ class DistributedGradReducer:
             raise invalid(f"{arg}.dtype", fam.dtype_name(gdt), f"{fam.dtype_name(dt)}, the dtype of parameters[{i}]")
         if gdev != dev:
             raise invalid(f"{arg}.device", gdev, f"{dev}, the device of parameters[{i}]")
+
+    def _cupy_pointers(self, grads):
+        """One pass over CuPy gradients: _check_grad's checks and each one's device pointer
+        (None where it is not C-contiguous). Raises as _check_grad does."""
+        import cupy
+
+        nd = cupy.ndarray
+        out = [None] * len(grads)
+        for i, (g, sp) in enumerate(zip(grads, self._cupy_specs)):
+            if type(g) is not nd or g.shape != sp[0] or g.dtype != sp[1] or g.data.device_id != sp[2]:
+                self._check_grad(i, g, f"grads[{i}]")  # raises naming what is wrong (subclasses pass)
+            if g.strides == sp[3]:
+                out[i] = g.data.ptr
+        return out
 
     def _check_grads(self, grads):
         if not isinstance(grads, (list, tuple)):
@@ -725,7 +747,12 @@ class DistributedGradReducer:
         """Reduce ``grads``; ``into``: a new flat buffer per bucket to pack into and reduce
         in place (the buckets' own buffers otherwise)."""
         self._check_idle("reducing")
-        self._check_grads(grads)
+        ptrs = None
+        if into is not None and self._cupy_specs is not None and isinstance(grads, (list, tuple)) \
+                and len(grads) == len(self._specs):
+            ptrs = self._cupy_pointers(grads)
+        else:
+            self._check_grads(grads)
         saved = None
         if into is not None:
             saved = [(b.flat, b.wire) for b in self._buckets]
@@ -736,7 +763,11 @@ class DistributedGradReducer:
             for b in self._buckets:
                 given = [grads[i] for i in b.indices]
                 fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
-                if fresh and (len(given) > 1 or into is not None):
+                src = None if ptrs is None else [ptrs[i] for i in b.indices]
+                if src is not None and None not in src:
+                    # the pointers are at hand: one launch, no second pass over the arrays
+                    _multi_copy(CUPY._cp(), src, b.flat.data.ptr, b.sizes, True, sizes_key=b.sizes)
+                elif fresh and (len(given) > 1 or into is not None):
                     b.fam.pack(b.flat, given)  # a constant number of launches per bucket
                 else:
                     for g, v in zip(given, b.views):
