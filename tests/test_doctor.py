@@ -428,3 +428,24 @@ def test_doctor_net_between_two_namespace_hosts():
         assert down.returncode == 0, down.stderr
         assert not os.path.exists(REHEARSAL_STATE)
         assert set(_holders()) <= before
+
+
+@pytest.mark.gpu
+@spawns_mpirun
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs that CuPy sees")
+def test_doctor_net_gpu_to_gpu_on_one_host():
+    """Two ranks, two GPUs of one host: the pair is also timed over NCCL, the payload
+    arrives intact, and NCCL names a transport within the machine (P2P or SHM)."""
+    proc = subprocess.run(run_cli("-n", "2", "-m", "mpicomm.tools.doctor", *NET_ARGS),
+                          env=clean_mpi_env({}), capture_output=True, text=True, timeout=300)
+    report = _net_report(proc)
+    assert all(r["backend"] == "nccl" for r in report["ranks"])
+    (entry,) = report["net"]
+    host = report["ranks"][0]["host"]
+    assert (entry["host_a"], entry["host_b"], entry["ranks"]) == (host, host, [0, 1])
+    assert entry["mpi_intact"] is True and entry["nccl_intact"] is True
+    assert 0 < entry["nccl_latency_us"] < 1e6
+    assert 2 * (1 << 20) / 300 / 1e9 < entry["nccl_gbs"] < 2 * (1 << 20) / 1e-6 / 1e9
+    assert entry["nccl_transport"] and all(t.split("/")[0] in ("P2P", "SHM")
+                                           for t in entry["nccl_transport"]), entry
+    assert report["problems"] == []
