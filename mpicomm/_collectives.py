@@ -174,15 +174,19 @@ def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    arg = _sized(g, SCATTER, x if g.rank == _root_of(g, root) else out, root, sizes)
-    if out is None and g.rank != arg[0]:
-        if arg[2] is None:
-            raise invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) on "
-                          f"every rank but the root {arg[0]}, or sizes='auto' on every rank (rank {g.rank})")
-        out = arg[2]     # made from the root's facts, exchanged
-    # away from the root x is not read: out stands in for it, so a repeated call reuses its
-    # prepared call there too
-    return g.call(SCATTER, out if g.rank != arg[0] else x, out, Sized(arg[:2] + (None,)), async_op, stream)
+    root = _root_of(g, root)
+    arg = _sized(g, SCATTER, x if g.rank == root else out, root, sizes)
+    if g.rank != root:
+        if out is None:
+            if arg[2] is None:
+                raise invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) "
+                              f"on every rank but the root {root}, or sizes='auto' on every rank (rank {g.rank})")
+            out = arg[2]     # made from the root's facts, exchanged
+        # x is not read here: out stands in for it, so a repeated call reuses its prepared call
+        x = out
+    if arg.__class__ is not Sized or arg[2] is not None:
+        arg = Sized((root, arg[1], None))
+    return g.call(SCATTER, x, out, arg, async_op, stream)
 
 
 def barrier(group=None, async_op=False):

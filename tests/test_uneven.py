@@ -214,6 +214,15 @@ def test_gather_out_in_place_and_scalars(comm, request):
     assert mpicomm.gather(x, 0, out=out, sizes=sizes) is (out if r == 0 else None)
     if r == 0:
         close(out, want, np.int64)
+    # a non-contiguous input is copied first
+    wide = np.repeat(data(r, key, (sizes[r], 3), np.int64), 2, axis=1)
+    res = mpicomm.gather(wide[:, ::2], 0, sizes=sizes)
+    if r == 0:
+        close(res, want, np.int64)
+    full = np.repeat(want, 2, axis=1) if r == 0 else None
+    part = mpicomm.scatter(full[:, ::2] if r == 0 else None, 0, out=np.empty((sizes[r], 3), np.int64), sizes=sizes)
+    lo = sum(sizes[:r])
+    close(part, want[lo:lo + sizes[r]], np.int64)
     # 0-d inputs gather into a vector (even sizes)
     res = mpicomm.gather(np.float64(r + 0.5) * np.ones(()), 0)
     if r == 0:

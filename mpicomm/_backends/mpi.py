@@ -776,6 +776,27 @@ class MPITransport:
                 blocking, nonblocking = (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
             return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
 
+        if x.__class__ is np.ndarray and role != 1 and not async_op:
+            rspec = (counts, displs) if not even else None
+            run_any = run
+
+            def run(x, out):  # a contiguous NumPy input, a new or plain NumPy output (else run_any)
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                if not is_root:
+                    comm.Gather([x, dt], None, root) if even else comm.Gatherv([x, dt], None, root)
+                    return None
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
+                if even:
+                    comm.Gather([x, dt], [o, dt], root)
+                else:
+                    comm.Gatherv([x, dt], [o, rspec, dt], root)
+                return o
         return Prepared(GATHER, x, out, arg, async_op, stream, run)
 
     def _prepare_scatter(self, x, out, arg, async_op, stream):
@@ -795,6 +816,10 @@ class MPITransport:
             even = sizes is None
 
             def run(x, out):
+                if out.__class__ is np.ndarray and out.flags.carray and out.dtype is odtype \
+                        and out.shape == oshape and not async_op:
+                    comm.Scatter(None, [out, dt], root) if even else comm.Scatterv(None, [out, dt], root)
+                    return out
                 o, wb = host_out(out, oshape, odtype, None, "out")
                 rb = [o, dt]
                 post = (lambda: wb(o)) if wb is not None else None
@@ -837,6 +862,24 @@ class MPITransport:
                 blocking, nonblocking = (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
             return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
 
+        if x.__class__ is np.ndarray and role != 1 and not async_op:
+            sspec = (counts, displs)
+            run_any = run
+
+            def run(x, out):  # a contiguous NumPy input, a new or plain NumPy output (else run_any)
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                if role == 0:
+                    o = np.empty(oshape, dtype)
+                elif _plain_out(out, x, oshape, dtype):
+                    o = out
+                else:
+                    return run_any(x, out)
+                if even:
+                    comm.Scatter([x, dt], [o, dt], root)
+                else:
+                    comm.Scatterv([x, sspec, dt], [o, dt], root)
+                return o
         return Prepared(SCATTER, x, out, arg, async_op, stream, run)
 
     def sendrecv(self, x, dst, tag, async_op, out, src):
@@ -847,6 +890,12 @@ class MPITransport:
         if type(tag) is not int or tag < 0:
             raise invalid("tag", tag, "a non-negative int")
         comm = self.comm
+        if not async_op and x.__class__ is np.ndarray and out.__class__ is np.ndarray and x.flags.c_contiguous \
+                and out.flags.carray and not ((out.base is not None or x.base is not None)
+                                              and np.may_share_memory(out, x)) and out is not x:
+            # NumPy in and out, apart: straight to MPI
+            comm.Sendrecv([x, of_numpy(x.dtype).mpi], dst, tag, [out, of_numpy(out.dtype, "out").mpi], src, tag)
+            return out
         h, back = to_host(x)
         if out is None:
             o, wb, res = np.empty(h.shape, h.dtype), None, None
