@@ -210,7 +210,7 @@ class ShmGroup:
         self.set_piece(piece)             # self.piece: cap on the bytes of one buffer;
         #                                   self.ordinary: the tuner chose Open MPI's path
         self.hdr = None                   # rank 0's two tuner slots (int64), in the window
-        self.sigs = None                  # sigs[c & 1][j]: rank j's signature of call c (int64 rows)
+        self.sigs = None                  # sigs[c & 1][j*_SIGW:]: rank j's signature of call c (int64)
         self.nsig = 0                     # calls run so far (same on every rank)
         self.tc = 0                       # tuned all_reduce calls so far (same on all ranks)
         self._stats = {}                  # rank 0: size class -> {piece: [s/byte, tc]}
@@ -288,8 +288,9 @@ class ShmGroup:
             views.append(np.frombuffer(buf, np.uint8, 2 * seg + hdr))
         self.bufs = [[v[:seg] for v in views], [v[seg:2 * seg] for v in views]]
         self.hdr = views[0][2 * seg:2 * seg + _TUNER].view(np.int64)
-        self.sigs = views[0][2 * seg + _TUNER:2 * seg + _TUNER + 2 * self.size * _SIGW * 8] \
-            .view(np.int64).reshape(2, self.size, _SIGW)
+        t = views[0][2 * seg + _TUNER:2 * seg + _TUNER + 2 * self.size * _SIGW * 8].view(np.int64)
+        h = self.size * _SIGW   # memoryviews: item stores and tolist() cost less than NumPy's
+        self.sigs = (memoryview(t[:h]), memoryview(t[h:]))
         self.win, self.seg = win, seg
         self.grows += 1
         return True
@@ -319,8 +320,12 @@ class ShmGroup:
         c = self.nsig
         self.nsig = c + 1
         tab = self.sigs[c & 1]
-        r = self.rank
-        tab[r, :5] = sig + (self.k,)
+        b = self.rank * _SIGW
+        tab[b] = sig[0]
+        tab[b + 1] = sig[1]
+        tab[b + 2] = sig[2]
+        tab[b + 3] = sig[3]
+        tab[b + 4] = self.k
         first = True
         if self.crowded:
             ibar, yld = self.comm.Ibarrier, os.sched_yield
@@ -332,7 +337,7 @@ class ShmGroup:
                 win.Sync()
                 if first:
                     first = False
-                    self._check(tab, gen)
+                    self._check(tab, gen, sig)
         else:
             bar = self.comm.Barrier
             for _ in gen:
@@ -341,19 +346,20 @@ class ShmGroup:
                 win.Sync()
                 if first:
                     first = False
-                    self._check(tab, gen)
+                    self._check(tab, gen, sig)
 
-    def _check(self, tab, gen):
+    def _check(self, tab, gen, sig):
         """After the call's first barrier: raise on every rank alike if the ranks' signatures
         differ. The calls stop there, before anyone reads a peer's buffer; the piece counter
         is set alike on every rank (their calls may have started different numbers of pieces)."""
-        rows = tab.tolist()
-        mine = rows[self.rank][:4]
-        for row in rows:
-            if row[:4] != mine:
-                gen.close()
-                self.k = max(row[4] for row in rows) + 1
-                raise mismatch_error(rows, "on the shared-memory path")
+        t = tab.tolist()
+        n = self.size
+        if t[0::_SIGW].count(sig[0]) != n or t[1::_SIGW].count(sig[1]) != n \
+                or t[2::_SIGW].count(sig[2]) != n or t[3::_SIGW].count(sig[3]) != n:
+            rows = [t[j * _SIGW:j * _SIGW + 5] for j in range(n)]
+            gen.close()
+            self.k = max(row[4] for row in rows) + 1
+            raise mismatch_error(rows, "on the shared-memory path")
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
