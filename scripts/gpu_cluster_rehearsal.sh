@@ -246,7 +246,9 @@ expect_failure() {  # expect_failure NAME LIMIT_S PATTERN CMD...: must fail; its
     timeout -k 10 "$limit" "$@" >"$out" 2>&1
     rc=$?
     cat "$out" >>"$LOG"
-    printf '%-30s rc=%-3s %4ss (expected to fail)\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUM"
+    local note="(expected to fail)"
+    ((rc)) || note="UNEXPECTED: it was expected to fail"
+    printf '%-30s rc=%-3s %4ss %s\n' "$name" "$rc" "$((SECONDS - t0))" "$note" | tee -a "$SUM"
     grep -a -E -m 4 "$pattern" "$out" | cut -c1-300 | sed 's/^/    /' | tee -a "$SUM"
     rm -f "$out"
     [[ $rc != 0 ]]
@@ -354,7 +356,7 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
 
     tar -czf "$OUT/cluster_results.tgz" -C "$OUT" cluster_res && rm -rf "$res"
     local failed
-    failed=$(grep -a -v 'expected to fail' "$SUM" | grep -a -c 'rc=[1-9]\|skipped: the run')
+    failed=$(grep -a -v '(expected to fail)' "$SUM" | grep -a -c 'rc=[1-9]\|skipped: the run\|UNEXPECTED')
     echo "done in ${SECONDS}s: $failed step(s) failed; summary $SUM, log $LOG, JSON in $OUT/cluster_results.tgz" | tee -a "$SUM"
     [[ $failed == 0 ]]
 }
