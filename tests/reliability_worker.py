@@ -233,6 +233,14 @@ def main():
         else:
             time.sleep(120)
         say("finished")
+    elif MODE == "async_recv_timeout":  # rank 0's async recv from rank 1, which never sends
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 0:
+            mpicomm.recv(x, 1, tag=5, async_op=True).wait(timeout=3)
+        else:
+            time.sleep(120)
+        say("finished")
     elif MODE == "tag_mismatch":  # rank 0 receives tag 5 from rank 1, which sends 16 MiB with tag 6
         y = rng.standard_normal(4 << 20).astype(np.float32)
         if r == 0:

@@ -414,6 +414,18 @@ def test_unmatched_send_names_the_peer(n, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+def test_async_recv_wait_timeout_names_the_peer():
+    """Work.wait(timeout=3) of an async recv whose peer never sends raises with the same
+    diagnosis as a blocking one; uncaught, it ends the job."""
+    p, took = fault(2, "async_recv_timeout")
+    assert p.returncode == 1 and took < 3 + 10, (p.returncode, took)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' did not "
+                          "complete within 3 s"), msg
+    assert "Rank 1 has not reached the matching send" in msg
+    assert "[mpicomm rank 0] uncaught exception; aborting the job" in p.stderr
+
+
 def test_send_recv_with_different_tags_is_named():
     """Rank 0 waits for tag 5 while rank 1 sends tag 6: both are in matching calls, and the
     report says the tags differ (not "stuck in the transport")."""
