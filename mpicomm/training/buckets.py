@@ -240,6 +240,18 @@ class _Torch:
             t.cat([a.detach().reshape(-1) for a in arrays], out=flat)
 
     @classmethod
+    def views(cls, flat, like):
+        """Views of ``flat`` shaped like the tensors ``like``, made in one C++ call."""
+        f = getattr(cls._t()._C._nn, "unflatten_dense_tensors", None)
+        if f is not None:
+            return list(f(flat, like))
+        out, off = [], 0
+        for t in like:
+            out.append(flat[off:off + t.numel()].view(t.shape))
+            off += t.numel()
+        return out
+
+    @classmethod
     def copy_out(cls, dsts, srcs):
         t = cls._t()
         with t.no_grad():
@@ -743,7 +755,7 @@ class DistributedGradReducer:
             fam = CUPY if key[0] == "cupy" else TORCH
             fam.current_waits_side(s)
 
-    def _run(self, grads, into=None):
+    def _run(self, grads, into=None, into_views=None):
         """Reduce ``grads``; ``into``: a new flat buffer per bucket to pack into and reduce
         in place (the buckets' own buffers otherwise)."""
         self._check_idle("reducing")
@@ -760,11 +772,13 @@ class DistributedGradReducer:
                 b.wire = new if b.wire is b.flat else b.wire
                 b.flat = new
         try:
-            for b in self._buckets:
+            for bi, b in enumerate(self._buckets):
                 given = [grads[i] for i in b.indices]
                 fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
                 src = None if ptrs is None else [ptrs[i] for i in b.indices]
-                if src is not None and None not in src:
+                if into_views is not None and b.fam is TORCH:
+                    TORCH.copy_out(into_views[bi], given)  # one multi-tensor copy (_foreach_copy_)
+                elif src is not None and None not in src:
                     # the pointers are at hand: one launch, no second pass over the arrays
                     _multi_copy(CUPY._cp(), src, b.flat.data.ptr, b.sizes, True, sizes_key=b.sizes)
                 elif fresh and (len(given) > 1 or into is not None):
@@ -799,7 +813,7 @@ class DistributedGradReducer:
                     out[i] = b.fam.view(flat, off, sz, shape)
             return out
         slots = [self._out_slot(b) for b in self._buckets]
-        self._run(grads, into=[sl[0] for sl in slots])
+        self._run(grads, into=[sl[0] for sl in slots], into_views=[sl[1] for sl in slots])
         for b, sl in zip(self._buckets, slots):
             for (i, _, _, _), v in zip(b.layout, sl[1]):
                 out[i] = v
@@ -817,7 +831,10 @@ class DistributedGradReducer:
                 if _refcounts(sl) == sl[2]:
                     return sl
         sl = [b.fam.empty(b.numel, b.fam.spec(b.flat)[1], b.device), None, None]
-        sl[1] = [b.fam.view(sl[0], off, sz, shape) for _, off, sz, shape in b.layout]
+        if b.fam is TORCH:
+            sl[1] = TORCH.views(sl[0], b.views)
+        else:
+            sl[1] = [b.fam.view(sl[0], off, sz, shape) for _, off, sz, shape in b.layout]
         if pooled and len(b.outs) < _OUT_SLOTS:
             b.outs.append(sl)
             sl[2] = _refcounts(sl)  # the counts while only the slot holds them
