@@ -52,6 +52,10 @@ BIG_BYTES = 24 << 20  # "tens of MiB": the largest buffer of the full run, per r
 # the dtypes that run at BIG_BYTES: each MPI transport path (native, float16/bfloat16 upcast,
 # 8-byte, complex) once
 BIG_DTYPES = ("int8", "float16", "bfloat16", "float32", "float64", "complex64")
+# the calls with per-rank sizes, gather, scatter, sendrecv and batch move data as the calls
+# above do: at the large count one 4-byte dtype, and float16 (reduced in float32 on MPI)
+BIG_DTYPES_NEW = ("float16", "float32")
+NEW = ("all_gatherv", "all_to_allv", "reduce_scatterv", "gather", "scatter", "sendrecv", "batch")
 BREAK_ENV = "MPICOMM_SMOKE_BREAK"
 
 
@@ -229,7 +233,8 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
     counts), sync and async, on every group, and all_reduce also in place. The full run
     adds one odd count of about ``big_bytes`` per rank (the largest buffer: ``n`` chunks
     of it for all_gather, reduce_scatter and all_to_all) for one dtype of each transport
-    path (BIG_DTYPES), SUM and data movement, sync on every group and async on the first.
+    path (BIG_DTYPES; BIG_DTYPES_NEW for the calls of NEW), SUM and data movement, sync on
+    every group and async on the first.
     """
     counts = QUICK_COUNTS if quick else FULL_COUNTS
     modes = ("sync", "async")
@@ -249,7 +254,8 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
                             cases.append(Case(coll, name, op, count, g, mode))
                         if coll == "all_reduce":
                             cases.append(Case(coll, name, op, count, g, "in-place"))
-                    if quick or name not in BIG_DTYPES or op not in (None, "sum"):
+                    if quick or name not in (BIG_DTYPES_NEW if coll in NEW else BIG_DTYPES) \
+                            or op not in (None, "sum"):
                         continue
                     per = big_bytes // dt.itemsize
                     if coll in CHUNKED:
