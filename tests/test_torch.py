@@ -436,3 +436,46 @@ def test_reducer_on_cpu_tensors(comm, mode, cap):
             torch.testing.assert_close(given[k], mine[k], rtol=0, atol=0)  # left as it was
         else:
             assert out[k] is given[k]
+
+
+# ---------------------------------------------------------------- frozen and tied parameters
+
+class Tied(torch.nn.Module):
+    """An embedding used twice (input and tied output head) and a frozen layer between."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(7, 4).double()
+        self.frozen = torch.nn.Linear(4, 4).double().requires_grad_(False)
+        self.mid = torch.nn.Linear(4, 4).double()
+
+    def forward(self, idx):
+        return self.mid(torch.tanh(self.frozen(self.emb(idx)))) @ self.emb.weight.t()
+
+
+def test_frozen_and_tied_parameters(comm):
+    n, r = comm.get_group_size(), comm.get_rank()
+    m = Tied(seed=50 + r)
+    model = mt.DistributedDataParallel(m)
+    assert model.parameter_names == ["emb.weight", "mid.weight", "mid.bias"]  # tied once, frozen out
+    ref = Tied(seed=50)
+    for p, q in zip(m.parameters(), ref.parameters()):  # frozen ones too: rank 0's
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+
+    def batch(q):
+        g = torch.Generator().manual_seed(600 + q)
+        return torch.randint(0, 7, (5, 3), generator=g), torch.randint(0, 7, (5, 3), generator=g)
+
+    x, y = batch(r)
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    sums = [torch.zeros_like(p) for p in ref.parameters() if p.requires_grad]
+    for q in range(n):
+        local = Tied(seed=50)
+        xq, yq = batch(q)
+        torch.nn.functional.cross_entropy(local(xq).flatten(0, 1), yq.flatten()).backward()
+        for s, p in zip(sums, [p for p in local.parameters() if p.requires_grad]):
+            s += p.grad
+    for s, p in zip(sums, [p for p in m.parameters() if p.requires_grad]):
+        torch.testing.assert_close(p.grad, s / n, rtol=1e-12, atol=1e-12)
+    assert m.frozen.weight.grad is None
