@@ -385,3 +385,22 @@ def test_auto_mismatch_raises_on_every_rank(comm):
         mpicomm.gather(z, root=r % 2, sizes="auto")
     # the group still works afterwards
     close(mpicomm.all_gather(np.full((1,), r, np.int32), sizes="auto"), np.arange(n, dtype=np.int32), np.int32)
+
+
+def test_sizes_as_numpy_and_out_splits_from_out(comm, request):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    sizes = sizes_of(n, 1)
+    x = data(r, key, (sizes[r], 2), np.int32)
+    want = np.concatenate([data(q, key, (sizes[q], 2), np.int32) for q in range(n)])
+    close(mpicomm.all_gather(x, sizes=np.array(sizes)), want, np.int32)              # a NumPy array
+    close(mpicomm.all_gather(x, sizes=[np.int64(v) for v in sizes]), want, np.int32)  # NumPy ints
+    # in_splits given, out_splits None: out's axis 0 split evenly (torch's all_to_all_single)
+    ins = [3] * n   # every rank sends 3 rows to every rank
+    xs = [data(q, key + "a", (3 * n, 2), np.float32) for q in range(n)]
+    out = np.empty((3 * n, 2), np.float32)
+    assert mpicomm.all_to_all(xs[r], out=out, in_splits=ins) is out
+    close(out, np.concatenate([xs[i][3 * r:3 * r + 3] for i in range(n)]), np.float32)
+    if n > 1:   # without out_splits, out's axis 0 must divide by the group size
+        with pytest.raises(mpicomm.InvalidArgumentError, match="out.shape"):
+            mpicomm.all_to_all(xs[r], out=np.empty((3 * n + 1, 2), np.float32), in_splits=ins)
