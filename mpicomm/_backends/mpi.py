@@ -652,7 +652,8 @@ class MPITransport:
         elif sum(ins) != d0:
             raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {self.rank})")
         if outs is None:   # the output split evenly: out='s axis 0, else x's
-            o0 = d0 if out is None or out is x else int(getattr(out, "shape", (d0,))[0] if getattr(out, "shape", ()) else d0)
+            os_ = getattr(out, "shape", None) if out is not None and out is not x else None
+            o0 = int(os_[0]) if os_ else d0
             if o0 % n:
                 raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
                               "or out_splits (a list, or 'auto')")
