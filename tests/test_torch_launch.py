@@ -1,0 +1,70 @@
+"""mpicomm.torch in jobs of their own (each test starts mpirun): init_process_group without
+mpicomm.init(), the digits example, the DDP benchmark's CPU smoke run and its JSON."""
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from conftest import ROOT, clean_mpi_env, mpirun_argv
+
+pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
+
+
+def _run(args, timeout=300):
+    env = clean_mpi_env(dict(MPICOMM_BACKEND="mpi"))
+    return subprocess.run(mpirun_argv(2, *args), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+INIT_ONLY = """
+import os, numpy as np, torch, torch.distributed as dist
+import mpicomm, mpicomm.torch as mt
+assert not mpicomm.is_initialized()
+assert mt.init_process_group() == "gloo"
+r, n = dist.get_rank(), dist.get_world_size()
+vals = [torch.from_numpy(np.random.default_rng([q, 3]).standard_normal(5)) for q in range(n)]
+t = vals[r].clone()
+dist.all_reduce(t)
+torch.testing.assert_close(t, sum(vals), rtol=1e-12, atol=1e-12)
+assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == (str(r), str(n), "127.0.0.1")
+assert int(os.environ["MASTER_PORT"]) > 0
+assert not mpicomm.is_initialized()   # torch.distributed alone
+mpicomm.init()                        # and mpicomm after it, in the same job
+torch.testing.assert_close(mpicomm.all_reduce(vals[r]), t, rtol=1e-12, atol=1e-12)
+print("ok", r, n)
+"""
+
+
+def test_init_process_group_without_mpicomm_init():
+    p = _run(["-c", INIT_ONLY], timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(re.findall(r"^ok (\d) 2$", p.stdout, re.M)) == ["0", "1"]
+
+
+def test_train_torch_reaches_its_accuracy():
+    pytest.importorskip("sklearn")
+    p = _run([os.path.join("scripts", "train_torch.py"), "--epochs", "6", "--min-accuracy", "0.9"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^epoch: \d+ step: \d+, loss is ([0-9.e+-]+)$", p.stdout, re.M)]
+    assert len(losses) >= 6 and losses[-1] < losses[0] / 4, losses
+    acc = float(re.search(r"held-out accuracy: ([0-9.]+)", p.stdout).group(1))
+    assert 0.9 <= acc <= 1.0
+
+
+def test_bench_ddp_cpu_smoke(tmp_path):
+    out = tmp_path / "ddp.json"
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "small", "--steps", "2", "--warmup", "1",
+              "--rounds", "2", "--check-steps", "3", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ranks"] == 2 and res["mpicomm_backend"] == "mpi" and res["ddp_backend"] == "gloo"
+    r = res["models"]["small"]
+    assert set(r["ms_per_step"]) == {"none", "ddp", "mpicomm"}
+    assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_ms"].values())
+    assert r["check_ok"] is True and r["rel_param_diff_vs_ddp"] <= 1e-4 and r["rel_param_change"] > 0
+    assert "| small | 16 |" in p.stdout
+
+
+def test_bench_ddp_rejects_unknown_names():
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "vgg"], timeout=120)
+    assert p.returncode != 0 and "--model vgg: expected some of resnet50, gpt2, small" in p.stderr
