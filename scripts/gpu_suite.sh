@@ -54,6 +54,16 @@ if want core || want tests; then
     step "gpu-tests-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" -x tests/test_gpu.py tests/test_collectives.py tests/test_api.py
     step "gpu-staged-on-mpi-np$NGPU" 200 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" tests/test_gpu.py -k staged
 fi
+if want quick; then  # every GPU test file, then the DDP comparison at 4 and 2 GPUs (a short device budget)
+    step "gpu-all-tests-np$NGPU" 130 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu*.py
+    for g in 4 2; do
+        [ "$NGPU" -ge "$g" ] || continue
+        step "bench-ddp-np$g" 110 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds 3 --json "$RES/bench_ddp_np$g.json"
+        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
+    done
+    step "gpu-torch-tests-np$NGPU" 120 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_torch.py tests/test_objects.py tests/test_ported.py
+fi
 if want tests; then
     step "mpi-tests-rest-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py \
         tests/test_train.py tests/test_sampler.py tests/test_context.py tests/test_errors.py tests/test_repeat.py $(ls tests/test_shm.py 2>/dev/null)

@@ -216,6 +216,14 @@ def main():
     elif MODE in ("recv_nosend", "send_norecv", "recv_exit"):  # rank 0's recv/send; rank 1 never matches it
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)
+        if GPU and r < 2:
+            # NCCL connects a pair at its first send/recv, in the host call, which waits for the
+            # peer: one matched exchange first, so that the unmatched call below is enqueued and
+            # waits on the GPU
+            mpicomm.sendrecv(x, 1 - r, out=arr(np.empty(4, np.float32)), src=1 - r)
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
         if r == 0:
             if MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
                 mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=0 if GPU else 5)
