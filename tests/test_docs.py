@@ -30,7 +30,7 @@ LIMIT = 420  # seconds per command
 # (pattern, reason): commands not run here, and why
 EXCLUDED = [
     (r"^scripts/test\.sh", "the test suite itself: CI runs it"),
-    (r"--backend nccl|--array cupy|gpu_suite", "needs GPUs"),
+    (r"--backend nccl|--array cupy|gpu_suite|bench_ddp\.py --rounds 5", "needs GPUs"),
     (r"--hostfile hosts|netns_cluster\.sh", "needs other hosts"),
     (r"SLURM_NTASKS", "needs a Slurm allocation"),
     (r"^DATA_PATH=~/mnist", "needs the MNIST files"),
