@@ -599,6 +599,35 @@ class MPITransport:
         res = self._start(blocking, nonblocking, async_op, o, post, keep, what)
         return out if role == 2 and fin is None and not async_op else res
 
+    @staticmethod
+    def _fast_v(x, role, async_op, oshape, dtype, call, run_any, gives=True):
+        """The run of a v call (or gather, scatter): ``call(x, o)`` straight to MPI for a contiguous
+        NumPy x and a new or a plain NumPy out=, ``run_any`` for everything else. Where the call
+        can never take that path (not NumPy, in place, async_op) it is ``run_any`` itself.
+        ``gives=False``: this rank receives nothing (a gather's non-root): ``call(x, None)``, None."""
+        if x.__class__ is not np.ndarray or role == 1 or async_op:
+            return run_any
+        if not gives:
+            def run(x, out):
+                if not x.flags.c_contiguous:
+                    return run_any(x, out)
+                call(x, None)
+                return None
+            return run
+
+        def run(x, out):
+            if not x.flags.c_contiguous:
+                return run_any(x, out)
+            if role == 0:
+                o = np.empty(oshape, dtype)
+            elif _plain_out(out, x, oshape, dtype):
+                o = out
+            else:
+                return run_any(x, out)
+            call(x, o)
+            return o
+        return run
+
     def _prepare_all_gather_v(self, x, out, arg, async_op, stream):
         sizes = arg[1]
         xh, _ = _host(x)
@@ -623,20 +652,9 @@ class MPITransport:
             return self._finish_v(lambda: comm.Allgatherv(sb, rb), lambda: comm.Iallgatherv(sb, rb), async_op,
                                   o, fin, (xh, o), what, role, out)
 
-        if x.__class__ is np.ndarray and role != 1 and not async_op:
-            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
-                if not x.flags.c_contiguous:
-                    return run_any(x, out)
-                if role == 0:
-                    o = np.empty(oshape, dtype)
-                elif _plain_out(out, x, oshape, dtype):
-                    o = out
-                else:
-                    return run_any(x, out)
-                comm.Allgatherv([x, dt], [o, (counts, displs), dt])
-                return o
-            return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
-        return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run_any)
+        run = self._fast_v(x, role, async_op, oshape, dtype,
+                           lambda x, o: comm.Allgatherv([x, dt], [o, (counts, displs), dt]), run_any)
+        return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
 
     def _prepare_all_to_all_v(self, x, out, arg, async_op, stream):
         _, ins, outs = arg
@@ -673,20 +691,9 @@ class MPITransport:
             return self._finish_v(lambda: comm.Alltoallv(sb, rb), lambda: comm.Ialltoallv(sb, rb), async_op,
                                   o, fin, (xh, o), what, role, out)
 
-        if x.__class__ is np.ndarray and role != 1 and not async_op:
-            def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
-                if not x.flags.c_contiguous:
-                    return run_any(x, out)
-                if role == 0:
-                    o = np.empty(oshape, dtype)
-                elif _plain_out(out, x, oshape, dtype):
-                    o = out
-                else:
-                    return run_any(x, out)
-                comm.Alltoallv([x, (sc, sd), dt], [o, (rc, rd), dt])
-                return o
-            return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run)
-        return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run_any)
+        run = self._fast_v(x, role, async_op, oshape, dtype,
+                           lambda x, o: comm.Alltoallv([x, (sc, sd), dt], [o, (rc, rd), dt]), run_any)
+        return Prepared(ALL_TO_ALL, x, out, arg, async_op, stream, run)
 
     def _prepare_reduce_scatter_v(self, x, out, arg, async_op, stream):
         op, sizes, _ = arg
@@ -759,7 +766,7 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("gather", xh.shape, dtype)
 
-        def run(x, out):
+        def run_any(x, out):
             if not is_root:
                 xh, _ = _host(x)
                 sb = [xh, dt]
@@ -777,27 +784,13 @@ class MPITransport:
                 blocking, nonblocking = (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
             return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
 
-        if x.__class__ is np.ndarray and role != 1 and not async_op:
-            rspec = (counts, displs) if not even else None
-            run_any = run
-
-            def run(x, out):  # a contiguous NumPy input, a new or plain NumPy output (else run_any)
-                if not x.flags.c_contiguous:
-                    return run_any(x, out)
-                if not is_root:
-                    comm.Gather([x, dt], None, root) if even else comm.Gatherv([x, dt], None, root)
-                    return None
-                if role == 0:
-                    o = np.empty(oshape, dtype)
-                elif _plain_out(out, x, oshape, dtype):
-                    o = out
-                else:
-                    return run_any(x, out)
-                if even:
-                    comm.Gather([x, dt], [o, dt], root)
-                else:
-                    comm.Gatherv([x, dt], [o, rspec, dt], root)
-                return o
+        if not is_root:
+            call = (lambda x, o: comm.Gather([x, dt], None, root)) if even else \
+                (lambda x, o: comm.Gatherv([x, dt], None, root))
+        else:
+            call = (lambda x, o: comm.Gather([x, dt], [o, dt], root)) if even else \
+                (lambda x, o: comm.Gatherv([x, dt], [o, (counts, displs), dt], root))
+        run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any, gives=is_root)
         return Prepared(GATHER, x, out, arg, async_op, stream, run)
 
     def _prepare_scatter(self, x, out, arg, async_op, stream):
@@ -851,7 +844,7 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("scatter", xh.shape, dtype)
 
-        def run(x, out):
+        def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
             part = o is xh or (role == 2 and np.may_share_memory(o, xh))
             rb = MPI.IN_PLACE if part else [o, dt]
@@ -863,24 +856,9 @@ class MPITransport:
                 blocking, nonblocking = (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
             return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
 
-        if x.__class__ is np.ndarray and role != 1 and not async_op:
-            sspec = (counts, displs)
-            run_any = run
-
-            def run(x, out):  # a contiguous NumPy input, a new or plain NumPy output (else run_any)
-                if not x.flags.c_contiguous:
-                    return run_any(x, out)
-                if role == 0:
-                    o = np.empty(oshape, dtype)
-                elif _plain_out(out, x, oshape, dtype):
-                    o = out
-                else:
-                    return run_any(x, out)
-                if even:
-                    comm.Scatter([x, dt], [o, dt], root)
-                else:
-                    comm.Scatterv([x, sspec, dt], [o, dt], root)
-                return o
+        call = (lambda x, o: comm.Scatter([x, dt], [o, dt], root)) if even else \
+            (lambda x, o: comm.Scatterv([x, (counts, displs), dt], [o, dt], root))
+        run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any)
         return Prepared(SCATTER, x, out, arg, async_op, stream, run)
 
     def sendrecv(self, x, dst, tag, async_op, out, src):
