@@ -50,6 +50,22 @@ def rank_rng(rank, name):
     return np.random.default_rng([rank, zlib.crc32(name.encode())])
 
 
+def sub_ranks(n):
+    """World ranks [n-1, ..., 1] of a sub-group in reversed order, so that group rank != world
+    rank (at 2 ranks [1, 0], at 1 rank [0])."""
+    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
+
+
+def reversed_group(name):
+    """Create the group ``name`` of sub_ranks(world size) once (mpicomm initialised); its world ranks."""
+    import mpicomm
+
+    ranks = sub_ranks(mpicomm.get_group_size())
+    if name not in mpicomm._state.CTX.groups:
+        mpicomm.create_group(name, ranks)
+    return ranks
+
+
 _JOB_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID")
 _CONFIG_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_")  # settings of the machine (e.g. plm=isolated): kept
 

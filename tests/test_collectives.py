@@ -9,6 +9,7 @@ import pytest
 
 import mpicomm
 from mpicomm import ReduceOp
+from conftest import reversed_group
 
 pytestmark = pytest.mark.mpi
 
@@ -67,17 +68,9 @@ def close(a, b, dt):
 
 # -------------------------------------------------------------------- array kinds
 
-def sub_ranks(n):
-    """A sub-group in reversed order, so that group rank != world rank: [n-1, ..., 1]
-    (at 2 ranks [1, 0], at 1 rank [0])."""
-    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
-
-
 @pytest.fixture(scope="module")
 def subgroup(comm):
-    n = mpicomm.get_group_size()
-    if "rev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("rev", sub_ranks(n))
+    reversed_group("rev")
     return "rev"
 
 

@@ -6,7 +6,8 @@ import pytest
 
 import mpicomm
 from mpicomm import ReduceOp
-from test_collectives import allowed, data, reduce_np, sub_ranks
+from conftest import reversed_group
+from test_collectives import allowed, data, reduce_np
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 
@@ -17,8 +18,7 @@ DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "
 def nccl(comm):
     if mpicomm.get_backend() != "nccl":
         pytest.skip("needs the NCCL backend (a GPU and CuPy)")
-    if "grev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("grev", sub_ranks(mpicomm.get_group_size()))
+    reversed_group("grev")
     return "grev"
 
 

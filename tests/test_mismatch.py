@@ -17,7 +17,7 @@ import mpicomm
 from mpicomm import CollectiveMismatchError, ReduceOp
 from mpicomm._backends import shm as _shm
 
-from conftest import clean_mpi_env, mpirun_argv
+from conftest import clean_mpi_env, mpirun_argv, reversed_group
 
 THRESHOLD = 512
 PIECE = 4096
@@ -28,16 +28,9 @@ def impl(group=None):
     return getattr(t, "host", t).shm
 
 
-def sub_ranks(n):
-    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
-
-
 @pytest.fixture(scope="module")
 def groups(comm):
-    n = mpicomm.get_group_size()
-    if "mm_rev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("mm_rev", sub_ranks(n))
-    mine = [None] + (["mm_rev"] if mpicomm.get_rank() in sub_ranks(n) else [])
+    mine = [None] + (["mm_rev"] if mpicomm.get_rank() in reversed_group("mm_rev") else [])
     for g in mine:
         impl(g).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
     yield mine

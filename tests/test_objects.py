@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mpicomm
+from conftest import reversed_group
 
 pytestmark = pytest.mark.mpi
 
@@ -41,16 +42,9 @@ def same(a, b):
     return type(a) is type(b) and a == b
 
 
-def sub_ranks(n):
-    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
-
-
 @pytest.fixture(scope="module")
 def groups(comm):
-    n = mpicomm.get_group_size()
-    if "objrev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("objrev", sub_ranks(n))
-    return {None: list(range(n)), "objrev": sub_ranks(n)}
+    return {None: list(range(mpicomm.get_group_size())), "objrev": reversed_group("objrev")}
 
 
 def cases(groups):

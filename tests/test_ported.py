@@ -21,6 +21,7 @@ import pytest
 
 import mpicomm
 from mpicomm import InvalidArgumentError, ReduceOp
+from conftest import reversed_group
 
 pytestmark = pytest.mark.mpi
 
@@ -28,17 +29,10 @@ TYPECODES = {"i": np.int32, "l": np.int64, "f": np.float32, "d": np.float64}
 OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN]
 
 
-def sub_ranks(n):
-    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
-
-
 @pytest.fixture(scope="module")
 def groups(comm):
-    n = mpicomm.get_group_size()
-    if "port_rev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("port_rev", sub_ranks(n))
-    me = mpicomm.get_rank()
-    return [(None, list(range(n)))] + ([("port_rev", sub_ranks(n))] if me in sub_ranks(n) else [])
+    sub = reversed_group("port_rev")
+    return [(None, list(range(mpicomm.get_group_size())))] + ([("port_rev", sub)] if mpicomm.get_rank() in sub else [])
 
 
 def vals(r, key, count, tc, op=ReduceOp.SUM):

@@ -17,6 +17,7 @@ import mpicomm
 from mpicomm import ReduceOp
 from mpicomm._backends import shm as _shm
 from mpicomm.errors import InvalidArgumentError
+from conftest import reversed_group
 from test_collectives import allowed, data, reduce_np  # one source of test data and expectations
 
 pytestmark = pytest.mark.mpi
@@ -60,18 +61,10 @@ def calls(group, name):
     return 0 if s is None else s.calls[name]
 
 
-def sub_ranks(n):
-    """[n-1, ..., 0] at 2 ranks, [n-1, ..., 1] above: group rank != world rank."""
-    return list(range(n - 1, 0, -1)) if n > 2 else list(range(n - 1, -1, -1))
-
-
 @pytest.fixture(scope="module")
 def groups(comm):
     """The world and a reversed sub-group (None for ranks outside it), small thresholds."""
-    n = mpicomm.get_group_size()
-    if "shm_rev" not in mpicomm._state.CTX.groups:
-        mpicomm.create_group("shm_rev", sub_ranks(n))
-    mine = [None] + (["shm_rev"] if mpicomm.get_rank() in sub_ranks(n) else [])
+    mine = [None] + (["shm_rev"] if mpicomm.get_rank() in reversed_group("shm_rev") else [])
     for name in mine:
         impl(name).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
     yield mine
