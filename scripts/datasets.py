@@ -1,17 +1,25 @@
-"""Small real data sets for scripts/train_data_parallel.py: scikit-learn's bundled
-digits, MNIST IDX files.
+"""Small real data sets for scripts/train_data_parallel.py and scripts/train_torch.py:
+scikit-learn's bundled digits, MNIST IDX files; and what the two training scripts share
+(their common arguments, the batch split, the accuracy report).
 
-Neither needs the network: the digits ship inside scikit-learn (``pip install
+Neither data set needs the network: the digits ship inside scikit-learn (``pip install
 'mpicomm[examples]'``), and MNIST is read from IDX files already on disk.
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import os
+import sys
 
 import numpy as np
 
-from mpicomm.errors import InvalidArgumentError, invalid
+try:
+    import mpicomm
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import mpicomm
+from mpicomm.errors import InvalidArgumentError, invalid  # noqa: E402
 
 # IDX type codes -> big-endian numpy dtypes
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -108,4 +116,38 @@ def load_digits(test_fraction=0.2, seed=0):
     return (x[tr], y[tr]), (x[te], y[te])
 
 
-__all__ = ["read_idx", "write_idx", "load_mnist", "load_digits"]
+# ---------------------------------------------------------------- what the training scripts share
+
+def training_parser(description):
+    """An argument parser with the options both training scripts take; each adds its own."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the ranks)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    p.add_argument("--min-accuracy", type=float, default=None,
+                   help="exit with status 1 if the held-out accuracy ends below this")
+    return p
+
+
+def local_batch_size(batch_size, n):
+    """This rank's share of the global batch (exits where there are more ranks than samples)."""
+    if batch_size < n:
+        raise SystemExit(f"--batch-size {batch_size} must be at least the number of ranks ({n})")
+    return batch_size // n
+
+
+def finish(correct, total, elapsed, rank, min_accuracy):
+    """Print the held-out accuracy of all ranks' counts (rank 0), finalize; the exit status."""
+    acc = correct / total
+    if rank == 0:
+        print(f"held-out accuracy: {acc:.4f} ({correct}/{total}), training time {elapsed:.2f} s", flush=True)
+    mpicomm.finalize()
+    if min_accuracy is not None and acc < min_accuracy:
+        return 1
+    return 0
+
+
+__all__ = ["read_idx", "write_idx", "load_mnist", "load_digits", "training_parser", "local_batch_size", "finish"]

@@ -15,25 +15,21 @@ Rank 0 prints ``epoch: E step: S, loss is L`` and the held-out accuracy.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 
-try:
-    import mpicomm
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import mpicomm
-
-# datasets.py sits next to this script; put its folder first also when the script is
-# loaded by path (tests) rather than run, so a `datasets` package elsewhere does not win.
+# datasets.py sits next to this script (and finds mpicomm in a checkout that is not installed);
+# put its folder first also when the script is loaded by path (tests) rather than run, so a
+# `datasets` package elsewhere does not win.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from datasets import load_digits, load_mnist  # noqa: E402
+from datasets import finish, load_digits, load_mnist, local_batch_size, training_parser  # noqa: E402
+
+import mpicomm  # noqa: E402
 
 
 # ---------------------------------------------------------------- the model
@@ -115,21 +111,13 @@ def correct_count(params, x, y, xp=np, batch=1024):
 # ---------------------------------------------------------------- training
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the ranks)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p = training_parser(__doc__.split("\n\n")[0])
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--hidden", type=int, nargs="+", default=[64, 64])
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-overlap", action="store_true", help="reduce after the backward pass")
-    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     p.add_argument("--data-path", default=os.environ.get("DATA_PATH"),
                    help="directory of MNIST IDX files (default: $DATA_PATH; unset: sklearn's digits)")
-    p.add_argument("--min-accuracy", type=float, default=None,
-                   help="exit with status 1 if the held-out accuracy ends below this")
     return p.parse_args(argv)
 
 
@@ -145,9 +133,7 @@ def main(argv=None):
                                       parameter_broadcast=True)
 
     (xtr, ytr), (xte, yte) = load_mnist(args.data_path) if args.data_path else load_digits(seed=args.seed)
-    if args.batch_size < n:
-        raise SystemExit(f"--batch-size {args.batch_size} must be at least the number of ranks ({n})")
-    local_batch = args.batch_size // n
+    local_batch = local_batch_size(args.batch_size, n)
     dtype = np.dtype(args.dtype)
     xtr, ytr = xp.asarray(xtr, dtype=dtype), xp.asarray(ytr)
     xte_mine, yte_mine = xp.asarray(xte[rank::n], dtype=dtype), xp.asarray(yte[rank::n])
@@ -189,14 +175,7 @@ def main(argv=None):
     counts = xp.asarray([correct_count(params, xte_mine, yte_mine, xp), len(yte_mine)], dtype=np.int64)
     mpicomm.all_reduce(counts, out=counts)
     counts = [int(c) for c in counts]
-    acc = counts[0] / counts[1]
-    if rank == 0:
-        print(f"held-out accuracy: {acc:.4f} ({counts[0]}/{counts[1]}), training time {elapsed:.2f} s",
-              flush=True)
-    mpicomm.finalize()
-    if args.min_accuracy is not None and acc < args.min_accuracy:
-        return 1
-    return 0
+    return finish(counts[0], counts[1], elapsed, rank, args.min_accuracy)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ of every global batch (``mpicomm.DistributedSampler``). Rank 0 prints
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,17 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-try:
-    import mpicomm
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import mpicomm
-import mpicomm.torch as mt  # noqa: E402
-
+# datasets.py sits next to this script (and finds mpicomm in a checkout that is not installed)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from datasets import load_digits  # noqa: E402
+from datasets import finish, load_digits, local_batch_size, training_parser  # noqa: E402
+
+import mpicomm  # noqa: E402
+import mpicomm.torch as mt  # noqa: E402
 
 
 def make_model():
@@ -43,16 +39,7 @@ def make_model():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the ranks)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    p.add_argument("--min-accuracy", type=float, default=None,
-                   help="exit with status 1 if the held-out accuracy ends below this")
-    return p.parse_args(argv)
+    return training_parser(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
 def main(argv=None):
@@ -65,8 +52,7 @@ def main(argv=None):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, mpicomm.get_local_size())))
-    if args.batch_size < n:
-        raise SystemExit(f"--batch-size {args.batch_size} must be at least the number of ranks ({n})")
+    local_batch = local_batch_size(args.batch_size, n)
     (xtr, ytr), (xte, yte) = load_digits(seed=args.seed)
     xtr = torch.tensor(xtr, dtype=torch.float32).view(-1, 1, 8, 8).to(device)
     ytr = torch.tensor(ytr).to(device)
@@ -77,7 +63,6 @@ def main(argv=None):
     model = mt.DistributedDataParallel(make_model().to(device), bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = mpicomm.DistributedSampler(len(ytr), shuffle=True, seed=args.seed)
-    local_batch = args.batch_size // n
     if rank == 0:
         print(f"mpicomm {mpicomm.get_backend()} backend, {n} rank(s) on {device.type}; digits {len(ytr)} train / "
               f"{len(yte) * n} test (about), global batch {local_batch * n}, {len(model.buckets)} bucket(s)",
@@ -104,13 +89,7 @@ def main(argv=None):
     with torch.no_grad():
         correct = int((model(xte).argmax(1) == yte).sum())
     counts = mpicomm.all_reduce(np.array([correct, len(yte)], np.int64))
-    acc = counts[0] / counts[1]
-    if rank == 0:
-        print(f"held-out accuracy: {acc:.4f} ({counts[0]}/{counts[1]}), training time {elapsed:.2f} s", flush=True)
-    mpicomm.finalize()
-    if args.min_accuracy is not None and acc < args.min_accuracy:
-        return 1
-    return 0
+    return finish(counts[0], counts[1], elapsed, rank, args.min_accuracy)
 
 
 if __name__ == "__main__":
