@@ -40,6 +40,15 @@ def is_gpu_array(x):
     return False
 
 
+def offsets(counts):
+    """Where each of parts of ``counts`` laid end to end starts: [0, c0, c0 + c1, ...]."""
+    r, acc = [], 0
+    for c in counts:
+        r.append(acc)
+        acc += c
+    return r
+
+
 def is_torch(x):
     return type(x).__module__.startswith("torch")
 

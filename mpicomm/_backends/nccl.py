@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .._arrays import is_gpu_array, is_torch
+from .._arrays import is_gpu_array, is_torch, offsets
 from .._dtypes import of_numpy, of_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     SENDRECV, check_op_dtype, nccl_ops)
@@ -101,6 +101,20 @@ def _prod(shape):
 
 def _nbytes(a, kind):
     return a.numel() * a.element_size() if kind == "torch" else a.nbytes
+
+
+def _given_out(bind, out, shape, dtype):
+    """(array, pointer) of a given out=: a C-contiguous GPU array of ``shape`` and ``dtype``."""
+    if not is_gpu_array(out):
+        raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+    o, p = bind(out, "out")
+    if o is not out:
+        raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+    if tuple(o.shape) != shape:
+        raise invalid("out.shape", tuple(o.shape), f"shape {shape}")
+    if o.dtype != dtype:
+        raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+    return o, p
 
 
 def _overlap(p, nb, q, mb):
@@ -286,15 +300,7 @@ class NCCLTransport:
                 return xa, xp, x
         else:
             def out_of(x, xa, xp, out):
-                if not is_gpu_array(out):
-                    raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-                o, p = bind(out, "out")
-                if o is not out:
-                    raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-                if tuple(o.shape) != tshape:
-                    raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
-                if o.dtype != dtype:
-                    raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+                o, p = _given_out(bind, out, tshape, dtype)
                 if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)) and not slot(p, xp):
                     raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
                                   "memory (in place), or an array that shares no memory with x")
@@ -563,13 +569,6 @@ class NCCLTransport:
         trail = shape[1:]
         t = _prod(trail)
 
-        def offsets(sz):
-            r, acc = [], 0
-            for s in sz:
-                r.append(acc)
-                acc += s
-            return r
-
         sends, recvs, reduces = [], [], []   # (peer, offset in elements, elements)
         nop = None
         is_root = True
@@ -652,15 +651,7 @@ class NCCLTransport:
                 return o, ptr(o), o
             if out is x:
                 return xa, xp, x
-            if not is_gpu_array(out):
-                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-            o, p = bind(out, "out")
-            if o is not out:
-                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-            if tuple(o.shape) != toshape:
-                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
-            if o.dtype != dtype:
-                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+            o, p = _given_out(bind, out, toshape, dtype)
             return o, p, out
 
         def run(x, out):

@@ -11,6 +11,8 @@ import functools
 
 import numpy as np
 
+from ..._arrays import offsets
+
 # ncclDataType_t (nccl.h, stable since NCCL 2.10); complex travels as 2 floats
 NCCL_TYPES = {"int8": (0, 1), "uint8": (1, 1), "int32": (2, 1), "uint32": (3, 1), "int64": (4, 1),
               "uint64": (5, 1), "float16": (6, 1), "float32": (7, 1), "float64": (8, 1), "bfloat16": (9, 1),
@@ -86,21 +88,13 @@ class RawMPI:
         return functools.partial(self.comm.Alltoall, self._b(send), self._b(recv))
 
     # per-rank sizes, gather, scatter, sendrecv: out of place only
-    @staticmethod
-    def _displs(counts):
-        d, acc = [], 0
-        for c in counts:
-            d.append(acc)
-            acc += c
-        return d
-
     def all_gatherv(self, send, recv, counts):
-        rb = [self._b(recv), (list(counts), self._displs(counts))]
+        rb = [self._b(recv), (list(counts), offsets(counts))]
         return functools.partial(self.comm.Allgatherv, self._b(send), rb)
 
     def all_to_allv(self, send, recv, sc, rc):
-        return functools.partial(self.comm.Alltoallv, [self._b(send), (list(sc), self._displs(sc))],
-                                 [self._b(recv), (list(rc), self._displs(rc))])
+        return functools.partial(self.comm.Alltoallv, [self._b(send), (list(sc), offsets(sc))],
+                                 [self._b(recv), (list(rc), offsets(rc))])
 
     def gather(self, send, recv, c):
         return functools.partial(self.comm.Gather, self._b(send), self._b(recv) if self.rank == self.root else None,
@@ -220,21 +214,13 @@ class RawNCCL:
 
         return grouped
 
-    @staticmethod
-    def _offs(counts):
-        d, acc = [], 0
-        for c in counts:
-            d.append(acc)
-            acc += c
-        return d
-
     def all_gatherv(self, send, recv, counts):
-        n, me, d = self.n, self.rank, self._offs(counts)
+        n, me, d = self.n, self.rank, offsets(counts)
         return self._grouped(send, recv, [(j, 0, counts[me]) for j in range(n)],
                              [(j, d[j], counts[j]) for j in range(n)])
 
     def all_to_allv(self, send, recv, sc, rc):
-        n, sd, rd = self.n, self._offs(sc), self._offs(rc)
+        n, sd, rd = self.n, offsets(sc), offsets(rc)
         return self._grouped(send, recv, [(j, sd[j], sc[j]) for j in range(n)],
                              [(j, rd[j], rc[j]) for j in range(n)])
 
