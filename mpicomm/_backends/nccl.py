@@ -322,6 +322,15 @@ class NCCLTransport:
         self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
         return NCCLWork(ev, result, what, keep)
 
+    def _enqueued(self, st, p, res, keep, what, async_op):
+        """After a call's NCCL group: note the stream (st None: not to be noted), then a Work
+        (async_op) or the result."""
+        if st is not None:
+            self.last_stream, self.last_what = st, what
+        if async_op:
+            return self._work(p, res, keep, what)
+        return res
+
     def _prepare_call(self, code, x, out, arg, async_op, stream, meth, extra, oshape_of, rule, count_div=1,
                       op=None):
         """Prepare one NCCL collective ``comm.<meth>(send, recv, count, type, *extra, stream)``.
@@ -537,11 +546,7 @@ class NCCLTransport:
                     c.recv(op_ + j * nbytes, count, nt, j, p)
             finally:
                 nccl.groupEnd()
-            if st is not None:
-                transport.last_stream, transport.last_what = st, what
-            if async_op:
-                return transport._work(p, res, (xa, o), what)
-            return res
+            return transport._enqueued(st, p, res, (xa, o), what, async_op)
 
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
@@ -685,11 +690,7 @@ class NCCLTransport:
                         c.reduce(xp + off * isz, op_, cnt * scale, nt, nop, j, p)
             finally:
                 nccl.groupEnd()
-            if st is not None:
-                transport.last_stream, transport.last_what = st, what
-            if async_op:
-                return transport._work(p, res, (xa, o), what)
-            return res
+            return transport._enqueued(st, p, res, (xa, o), what, async_op)
 
         return Prepared(code, x, out, arg, async_op, stream, run, reuse=x is not None)
 
@@ -729,9 +730,7 @@ class NCCLTransport:
         finally:
             self.nccl.groupEnd()
         what = ("sendrecv", tuple(xa.shape), xa.dtype)
-        if st is not None:
-            self.last_stream, self.last_what = st, what
-        return self._work(p, res, (xa, o), what) if async_op else res
+        return self._enqueued(st, p, res, (xa, o), what, async_op)
 
     def batch_begin(self):
         """mpicomm.batch(): the GPU calls until batch_end are one NCCL group; host arrays take
