@@ -599,6 +599,17 @@ class MPITransport:
         res = self._start(blocking, nonblocking, async_op, o, post, keep, what)
         return out if role == 2 and fin is None and not async_op else res
 
+    def _any_v(self, role, oshape, dtype, slot, async_op, what, calls):
+        """The run for any x and out= of all_gather with sizes, gather's and scatter's root: bind x
+        and out (host copies where needed), then ``calls(xh, o, part)`` gives the blocking and the
+        nonblocking MPI call; ``part``: one is this rank's part of the other (MPI.IN_PLACE)."""
+        def run_any(x, out):
+            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
+            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+            blocking, nonblocking = calls(xh, o, part)
+            return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
+        return run_any
+
     @staticmethod
     def _fast_v(x, role, async_op, oshape, dtype, call, run_any, gives=True):
         """The run of a v call (or gather, scatter): ``call(x, o)`` straight to MPI for a contiguous
@@ -644,14 +655,11 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("all_gather", xh.shape, dtype)
 
-        def run_any(x, out):
-            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
-            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
-            sb = MPI.IN_PLACE if part else [xh, dt]
-            rb = [o, (counts, displs), dt]
-            return self._finish_v(lambda: comm.Allgatherv(sb, rb), lambda: comm.Iallgatherv(sb, rb), async_op,
-                                  o, fin, (xh, o), what, role, out)
+        def calls(xh, o, part):
+            sb, rb = MPI.IN_PLACE if part else [xh, dt], [o, (counts, displs), dt]
+            return (lambda: comm.Allgatherv(sb, rb)), (lambda: comm.Iallgatherv(sb, rb))
 
+        run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
         run = self._fast_v(x, role, async_op, oshape, dtype,
                            lambda x, o: comm.Allgatherv([x, dt], [o, (counts, displs), dt]), run_any)
         return Prepared(ALL_GATHER, x, out, arg, async_op, stream, run)
@@ -766,23 +774,23 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("gather", xh.shape, dtype)
 
-        def run_any(x, out):
-            if not is_root:
+        if is_root:
+            def calls(xh, o, part):
+                sb = MPI.IN_PLACE if part else [xh, dt]
+                if even:
+                    rb = [o, dt]
+                    return (lambda: comm.Gather(sb, rb, root)), (lambda: comm.Igather(sb, rb, root))
+                rb = [o, (counts, displs), dt]
+                return (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
+
+            run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
+        else:
+            def run_any(x, out):
                 xh, _ = _host(x)
                 sb = [xh, dt]
                 return self._start(lambda: comm.Gather(sb, None, root) if even else comm.Gatherv(sb, None, root),
                                    lambda: comm.Igather(sb, None, root) if even else comm.Igatherv(sb, None, root),
                                    async_op, None, None, (xh,), what)
-            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
-            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
-            sb = MPI.IN_PLACE if part else [xh, dt]
-            if even:
-                rb = [o, dt]
-                blocking, nonblocking = (lambda: comm.Gather(sb, rb, root)), (lambda: comm.Igather(sb, rb, root))
-            else:
-                rb = [o, (counts, displs), dt]
-                blocking, nonblocking = (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
-            return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
 
         if not is_root:
             call = (lambda x, o: comm.Gather([x, dt], None, root)) if even else \
@@ -844,18 +852,15 @@ class MPITransport:
         role = 0 if out is None else (1 if out is x else 2)
         what = ("scatter", xh.shape, dtype)
 
-        def run_any(x, out):
-            xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
-            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+        def calls(xh, o, part):
             rb = MPI.IN_PLACE if part else [o, dt]
             if even:
                 sb = [xh, dt]
-                blocking, nonblocking = (lambda: comm.Scatter(sb, rb, root)), (lambda: comm.Iscatter(sb, rb, root))
-            else:
-                sb = [xh, (counts, displs), dt]
-                blocking, nonblocking = (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
-            return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
+                return (lambda: comm.Scatter(sb, rb, root)), (lambda: comm.Iscatter(sb, rb, root))
+            sb = [xh, (counts, displs), dt]
+            return (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
 
+        run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
         call = (lambda x, o: comm.Scatter([x, dt], [o, dt], root)) if even else \
             (lambda x, o: comm.Scatterv([x, (counts, displs), dt], [o, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any)
