@@ -582,13 +582,14 @@ class MPITransport:
                           "per-rank sizes does not go in pieces; split the call)")
         return counts, displs, acc
 
-    def _slot_v(self, counts, displs, itemsize):
-        """slot(o, x): x is exactly this rank's part of o (the in-place form of the v calls)."""
+    def _slot_v(self, counts, displs, itemsize, out_is_part=False):
+        """slot(o, x): x is exactly this rank's part of o (the in-place form of the v calls), or
+        with ``out_is_part`` o exactly this rank's part of x (reduce_scatter's and scatter's)."""
         r = self.rank
 
         def slot(o, x):
             return x.nbytes == counts[r] * itemsize and _addr(x) == _addr(o) + displs[r] * itemsize
-        return slot
+        return (lambda o, x: slot(x, o)) if out_is_part else slot
 
     def _axis0(self, xh, what, arg="x.shape"):
         if xh.ndim == 0:
@@ -716,10 +717,7 @@ class MPITransport:
         trail = xh.shape[1:]
         counts, displs, _ = self._layout(sizes, trail, "reduce_scatter")
         oshape = (sizes[rank],) + trail
-        itemsize = dtype.itemsize
-
-        def slot(o, x):   # out is exactly this rank's part of x
-            return o.nbytes == counts[rank] * itemsize and _addr(o) == _addr(x) + displs[rank] * itemsize
+        slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "reduce_scatter gives rank i sizes[i] rows", slot)
         role = 0 if out is None else (1 if out is x else 2)
         avg, upcast = op is _AVG, row.upcast
@@ -844,10 +842,7 @@ class MPITransport:
             raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {d0}")
         counts, displs, _ = self._layout(sizes, trail, "scatter")
         oshape = (sizes[rank],) + trail
-        itemsize = dtype.itemsize
-
-        def slot(o, x):   # out is exactly the root's part of x
-            return o.nbytes == counts[rank] * itemsize and _addr(o) == _addr(x) + displs[rank] * itemsize
+        slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "scatter gives each rank its part of axis 0", slot)
         role = 0 if out is None else (1 if out is x else 2)
         what = ("scatter", xh.shape, dtype)
