@@ -354,6 +354,14 @@ def report_of(p, rank, kind="CollectiveTimeoutError"):
     return m.group(1)
 
 
+def timed_out(n, mode):
+    """Run fault ``mode`` at ``n`` ranks: the job ends with status 1 soon after the timeout;
+    (the process, rank 0's CollectiveTimeoutError message)."""
+    p, took = fault(n, mode)
+    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    return p, report_of(p, 0)
+
+
 def stack_shown(p, tmp_path, rank, where="lagging_here"):
     """Rank ``rank`` printed its Python stack (asked for by a peer's report) and wrote it."""
     assert re.search(rf"^\[mpicomm rank {rank}\] Python stacks of rank {rank} \(asked for by a peer's timeout "
@@ -370,9 +378,7 @@ NRANKS = [2, 4]
 def test_unmatched_recv_names_the_peer_with_its_stack(n, tmp_path):
     """Rank 0 waits in recv from rank 1, which sleeps: the timeout report names rank 1 and
     where it is, and rank 1 prints its Python stack (the function it sleeps in)."""
-    p, took = fault(n, "recv_nosend")
-    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
-    msg = report_of(p, 0)
+    p, msg = timed_out(n, "recv_nosend")
     assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' did not "
                           "complete within 5 s"), msg
     assert "Rank 1 has not reached the matching send" in msg
@@ -405,9 +411,7 @@ def test_unmatched_gpu_send_recv_is_named(mode, call, other, tmp_path):
 @pytest.mark.parametrize("n", NRANKS)
 def test_unmatched_send_names_the_peer(n, tmp_path):
     """A 16 MiB send (past the eager limit) that rank 1 never receives."""
-    p, took = fault(n, "send_norecv")
-    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
-    msg = report_of(p, 0)
+    p, msg = timed_out(n, "send_norecv")
     assert msg.startswith("rank 0: send to rank 1 (tag 5, shape (4194304,), dtype float32) on group 'world' did "
                           "not complete within 5 s"), msg
     assert "Rank 1 has not reached the matching recv" in msg
@@ -429,9 +433,7 @@ def test_async_recv_wait_timeout_names_the_peer():
 def test_send_recv_with_different_tags_is_named():
     """Rank 0 waits for tag 5 while rank 1 sends tag 6: both are in matching calls, and the
     report says the tags differ (not "stuck in the transport")."""
-    p, took = fault(2, "tag_mismatch")
-    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
-    msg = report_of(p, 0)
+    p, msg = timed_out(2, "tag_mismatch")
     assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4194304,), dtype float32) on group 'world' did "
                           "not complete within 5 s"), msg
     assert "Rank 1 is in the matching send with another tag: the tags differ" in msg, msg
@@ -495,9 +497,7 @@ def test_nonzero_exit_while_the_others_compute_ends_the_job_with_its_status(n):
 def test_sigstop_of_a_rank_is_named(n):
     """Rank 1 stops (SIGSTOP) between two all_reduce: the others name it at the timeout, and
     the job, the stopped process included, is gone."""
-    p, took = fault(n, "sigstop")
-    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
-    msg = report_of(p, 0)
+    p, msg = timed_out(n, "sigstop")
     assert msg.startswith("rank 0: all_reduce sequence 12 on group 'world' (shape (64,), dtype float32) did not "
                           "complete within 5 s"), msg
     assert f"Rank 1 of {n} has not reached this call" in msg
@@ -508,10 +508,8 @@ def test_sigstop_of_a_rank_is_named(n):
 def test_member_only_group_creation_is_watched(n, tmp_path):
     """Only the members call create_group (MindSpore's usage) and member 1 never comes: the
     other members name it, with its stack; the non-member's world count is untouched."""
-    p, took = fault(n, "skip_member_create")
-    assert p.returncode == 1 and took < TIMEOUT + 10, (p.returncode, took)
+    p, msg = timed_out(n, "skip_member_create")
     k = max(2, n - 1)
-    msg = report_of(p, 0)
     assert msg.startswith("rank 0: create_group sequence 1 on group 'late' (no array) did not complete"), msg
     assert f"Rank 1 of {k} has not reached this call" in msg
     assert re.search(r"^  rank 1 \(rank 1 of the group\): no collective on group 'late' yet; not in a "
