@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .._arrays import check_out, check_writable, host_out, overlap_error, same_memory, to_host, write_back
+from .._arrays import (check_out, check_writable, host_out, offsets, overlap_error, same_memory, to_host,
+                      write_back)
 from .._dtypes import of_numpy
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, REDUCE, REDUCE_SCATTER, RECV,
                     SCATTER, SENDRECV, ReduceOp, check_op_dtype, mpi_ops, nan_mpi_ops)
@@ -573,10 +574,7 @@ class MPITransport:
         for d in trail:
             t *= int(d)
         counts = [s * t for s in sizes]
-        displs, acc = [], 0
-        for c in counts:
-            displs.append(acc)
-            acc += c
+        displs, acc = offsets(counts), sum(counts)
         if acc > MAX_COUNT:
             raise invalid("sizes", f"{acc} elements in all", f"at most {MAX_COUNT} elements ({what} with "
                           "per-rank sizes does not go in pieces; split the call)")
