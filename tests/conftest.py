@@ -66,6 +66,30 @@ def reversed_group(name):
     return ranks
 
 
+def shm_of(group=None):
+    """The group's shared-memory strategy (under NCCL, that of the MPI transport host arrays take)."""
+    import mpicomm
+
+    t = mpicomm._state.get_group(group).transport
+    return getattr(t, "host", t).shm
+
+
+def shm_groups(name, threshold):
+    """For a module's ``groups`` fixture (``yield from``): this rank's groups of the world and the
+    reversed sub-group ``name`` (None: the world), their shared-memory threshold ``threshold``
+    bytes until the module ends (then the defaults, and the default piece size)."""
+    import mpicomm
+
+    mine = [None] + ([name] if mpicomm.get_rank() in reversed_group(name) else [])
+    for g in mine:
+        shm_of(g).configure({"MPICOMM_SHM_THRESHOLD": str(threshold)})
+    yield mine
+    for g in mine:
+        shm_of(g).configure()
+        if shm_of(g).group is not None:
+            shm_of(g).group.set_piece()
+
+
 _JOB_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "HYDRA_", "MPI_LOCALRANKID")
 _CONFIG_PREFIXES = ("OMPI_MCA_", "PRTE_MCA_", "PMIX_MCA_")  # settings of the machine (e.g. plm=isolated): kept
 

@@ -17,27 +17,16 @@ import mpicomm
 from mpicomm import CollectiveMismatchError, ReduceOp
 from mpicomm._backends import shm as _shm
 
-from conftest import clean_mpi_env, mpirun_argv, reversed_group
+from conftest import clean_mpi_env, mpirun_argv, shm_groups
+from conftest import shm_of as impl
 
 THRESHOLD = 512
 PIECE = 4096
 
 
-def impl(group=None):
-    t = mpicomm._state.get_group(group).transport
-    return getattr(t, "host", t).shm
-
-
 @pytest.fixture(scope="module")
 def groups(comm):
-    mine = [None] + (["mm_rev"] if mpicomm.get_rank() in reversed_group("mm_rev") else [])
-    for g in mine:
-        impl(g).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
-    yield mine
-    for g in mine:
-        impl(g).configure()
-        if impl(g).group is not None:
-            impl(g).group.set_piece()
+    yield from shm_groups("mm_rev", THRESHOLD)
 
 
 def grank(g):

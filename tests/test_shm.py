@@ -17,7 +17,8 @@ import mpicomm
 from mpicomm import ReduceOp
 from mpicomm._backends import shm as _shm
 from mpicomm.errors import InvalidArgumentError
-from conftest import reversed_group
+from conftest import shm_groups
+from conftest import shm_of as impl
 from test_collectives import allowed, data, reduce_np  # one source of test data and expectations
 
 pytestmark = pytest.mark.mpi
@@ -50,12 +51,6 @@ def same_on_every_rank(group, a):
     assert len(set(d)) == 1, d
 
 
-def impl(group=None):
-    """The group's shared-memory strategy (under NCCL, that of the MPI transport host arrays take)."""
-    t = mpicomm._state.get_group(group).transport
-    return getattr(t, "host", t).shm
-
-
 def calls(group, name):
     s = impl(group).group
     return 0 if s is None else s.calls[name]
@@ -64,14 +59,7 @@ def calls(group, name):
 @pytest.fixture(scope="module")
 def groups(comm):
     """The world and a reversed sub-group (None for ranks outside it), small thresholds."""
-    mine = [None] + (["shm_rev"] if mpicomm.get_rank() in reversed_group("shm_rev") else [])
-    for name in mine:
-        impl(name).configure({"MPICOMM_SHM_THRESHOLD": str(THRESHOLD)})
-    yield mine
-    for name in mine:
-        impl(name).configure()
-        if impl(name).group is not None:
-            impl(name).group.set_piece()
+    yield from shm_groups("shm_rev", THRESHOLD)
 
 
 def small_pieces(group):
