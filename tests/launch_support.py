@@ -1,6 +1,7 @@
 """Helpers for the tests that start their own mpirun (launcher, doctor, two-host job)."""
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -40,3 +41,11 @@ def have_mpirun():
 def run_cli(*args):
     """argv for ``python -m mpicomm.launch ARGS``."""
     return [sys.executable, "-m", "mpicomm.launch", *args]
+
+
+def netns_refused():
+    """None where this process can create network namespaces (``unshare --net``), else why not."""
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    return None

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch_support import (ROOT, clean_mpi_env, have_mpirun, run_cli, spawns_mpirun,
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, netns_refused, run_cli, spawns_mpirun,
                             world_size_from_env)
 from mpicomm.tools import doctor
 
@@ -354,11 +354,7 @@ def _why_no_namespaces():
             return f"no '{tool}' (apt-get install -y util-linux)"
     if not have_mpirun():
         return "no mpirun on PATH"
-    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True,
-                           text=True, timeout=30)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    return None
+    return netns_refused()
 
 
 NO_NAMESPACES = _why_no_namespaces()

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch_support import (ROOT, clean_mpi_env, have_mpirun, run_cli, spawns_mpirun,
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, netns_refused, run_cli, spawns_mpirun,
                             world_size_from_env)
 
 SCRIPT = os.path.join(ROOT, "scripts", "netns_cluster.sh")
@@ -36,11 +36,7 @@ def _why_not():
         return "no sshd (apt-get install -y openssh-server)"
     if not have_mpirun():
         return "no mpirun on PATH"
-    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True,
-                           text=True, timeout=30)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    return None
+    return netns_refused()
 
 
 WHY_NOT = _why_not() if world_size_from_env() == 1 else "spawns its own mpirun"
