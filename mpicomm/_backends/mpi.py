@@ -792,8 +792,9 @@ class MPITransport:
             call = (lambda x, o: comm.Gather([x, dt], None, root)) if even else \
                 (lambda x, o: comm.Gatherv([x, dt], None, root))
         else:
+            rspec = (counts, displs)
             call = (lambda x, o: comm.Gather([x, dt], [o, dt], root)) if even else \
-                (lambda x, o: comm.Gatherv([x, dt], [o, (counts, displs), dt], root))
+                (lambda x, o: comm.Gatherv([x, dt], [o, rspec, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any, gives=is_root)
         return Prepared(GATHER, x, out, arg, async_op, stream, run)
 
@@ -854,8 +855,9 @@ class MPITransport:
             return (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
 
         run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
+        sspec = (counts, displs)
         call = (lambda x, o: comm.Scatter([x, dt], [o, dt], root)) if even else \
-            (lambda x, o: comm.Scatterv([x, (counts, displs), dt], [o, dt], root))
+            (lambda x, o: comm.Scatterv([x, sspec, dt], [o, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any)
         return Prepared(SCATTER, x, out, arg, async_op, stream, run)
 
