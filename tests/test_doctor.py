@@ -6,7 +6,6 @@ and name both ranks on one GPU).
 """
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess

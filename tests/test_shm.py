@@ -7,7 +7,6 @@ also compared with the ordinary (Open MPI) path. At 1 rank the path is never tak
 the same calls check the ordinary path.
 """
 import hashlib
-import zlib
 
 import ml_dtypes
 import numpy as np

@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest

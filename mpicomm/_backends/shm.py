@@ -363,7 +363,7 @@ class ShmGroup:
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x, o, info, op):
-        n, r, isz = self.size, self.rank, x.itemsize
+        n, isz = self.size, x.itemsize
         # Open MPI's own all_reduce is a third choice of the tuner where its result is the
         # same bits as this path's: two ranks (a + b == b + a) or integers (exact), and no
         # float32 detour for float16/bfloat16. Every rank computes this alike. Messages of

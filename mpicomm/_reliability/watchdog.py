@@ -120,7 +120,7 @@ class Watchdog:
             self.stacks.publish(self.stacks.take(), "asked for by a peer's timeout report")
         text = self.stacks.signalled()
         if text:
-            self.stacks.publish(text, f"SIGUSR1")
+            self.stacks.publish(text, "SIGUSR1")
             sys.stderr.write(self._flight_line("SIGUSR1"))
             sys.stderr.flush()
         if self.device_id is not None:
