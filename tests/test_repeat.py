@@ -253,3 +253,28 @@ def test_reused_call_still_checks_each_array(comm):
     # the reused call is still right after the errors
     np.testing.assert_array_equal(mpicomm.all_reduce(rank_data(r, "chk", 0, 8, np.float32),
                                                      out=np.empty(8, np.float32)), want)
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+def test_new_arrays_every_call_in_nccl_in_place_form(comm, op):
+    """all_gather with x this rank's part of out, reduce_scatter with out this rank's part
+    of x (NCCL's in-place forms), new buffers every call: each call's own result; a view
+    one row off is refused (it overlaps without being this rank's part)."""
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    for step in range(5):
+        parts = all_data(f"ip-ag-{op}", step, (2, 3), np.float64)
+        o = np.full((2 * n, 3), np.nan)
+        o[2 * r:2 * r + 2] = parts[r]
+        assert mpicomm.all_gather(o[2 * r:2 * r + 2], out=o) is o
+        np.testing.assert_array_equal(o, np.concatenate(parts))
+        xs = all_data(f"ip-rs-{op}", step, (2 * n, 2), np.float64)
+        x = xs[r].copy()
+        want = np.sum(xs, axis=0)[2 * r:2 * r + 2] / (n if op is ReduceOp.AVG else 1)
+        part = x[2 * r:2 * r + 2]
+        assert mpicomm.reduce_scatter(x, op, out=part) is part
+        np.testing.assert_allclose(part, want, rtol=1e-12)
+    if n > 1:
+        o = np.zeros((2 * n + 1, 3))
+        x = o[2 * r + 1:2 * r + 3]
+        with pytest.raises(mpicomm.InvalidArgumentError, match="overlap"):
+            mpicomm.all_gather(x, out=o[:2 * n])
