@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .._arrays import is_gpu_array, is_torch, offsets
+from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     SENDRECV, check_op_dtype, nccl_ops)
@@ -101,20 +101,6 @@ def _prod(shape):
 
 def _nbytes(a, kind):
     return a.numel() * a.element_size() if kind == "torch" else a.nbytes
-
-
-def _given_out(bind, out, shape, dtype):
-    """(array, pointer) of a given out=: a C-contiguous GPU array of ``shape`` and ``dtype``."""
-    if not is_gpu_array(out):
-        raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-    o, p = bind(out, "out")
-    if o is not out:
-        raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-    if tuple(o.shape) != shape:
-        raise invalid("out.shape", tuple(o.shape), f"shape {shape}")
-    if o.dtype != dtype:
-        raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-    return o, p
 
 
 def _overlap(p, nb, q, mb):
@@ -300,7 +286,15 @@ class NCCLTransport:
                 return xa, xp, x
         else:
             def out_of(x, xa, xp, out):
-                o, p = _given_out(bind, out, tshape, dtype)
+                if not is_gpu_array(out):
+                    raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+                o, p = bind(out, "out")
+                if o is not out:
+                    raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+                if tuple(o.shape) != tshape:
+                    raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
+                if o.dtype != dtype:
+                    raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
                 if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)) and not slot(p, xp):
                     raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
                                   "memory (in place), or an array that shares no memory with x")
@@ -321,15 +315,6 @@ class NCCLTransport:
         ev = self.cupy.cuda.Event(block=False, disable_timing=True)
         self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
         return NCCLWork(ev, result, what, keep)
-
-    def _enqueued(self, st, p, res, keep, what, async_op):
-        """After a call's NCCL group: note the stream (st None: not to be noted), then a Work
-        (async_op) or the result."""
-        if st is not None:
-            self.last_stream, self.last_what = st, what
-        if async_op:
-            return self._work(p, res, keep, what)
-        return res
 
     def _prepare_call(self, code, x, out, arg, async_op, stream, meth, extra, oshape_of, rule, count_div=1,
                       op=None):
@@ -546,7 +531,11 @@ class NCCLTransport:
                     c.recv(op_ + j * nbytes, count, nt, j, p)
             finally:
                 nccl.groupEnd()
-            return transport._enqueued(st, p, res, (xa, o), what, async_op)
+            if st is not None:
+                transport.last_stream, transport.last_what = st, what
+            if async_op:
+                return transport._work(p, res, (xa, o), what)
+            return res
 
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
@@ -573,6 +562,13 @@ class NCCLTransport:
             raise invalid("x.shape", (), f"an array with an axis 0 ({name} splits or joins along it)")
         trail = shape[1:]
         t = _prod(trail)
+
+        def offsets(sz):
+            r, acc = [], 0
+            for s in sz:
+                r.append(acc)
+                acc += s
+            return r
 
         sends, recvs, reduces = [], [], []   # (peer, offset in elements, elements)
         nop = None
@@ -656,7 +652,15 @@ class NCCLTransport:
                 return o, ptr(o), o
             if out is x:
                 return xa, xp, x
-            o, p = _given_out(bind, out, toshape, dtype)
+            if not is_gpu_array(out):
+                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+            o, p = bind(out, "out")
+            if o is not out:
+                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+            if tuple(o.shape) != toshape:
+                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
+            if o.dtype != dtype:
+                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
             return o, p, out
 
         def run(x, out):
@@ -690,7 +694,11 @@ class NCCLTransport:
                         c.reduce(xp + off * isz, op_, cnt * scale, nt, nop, j, p)
             finally:
                 nccl.groupEnd()
-            return transport._enqueued(st, p, res, (xa, o), what, async_op)
+            if st is not None:
+                transport.last_stream, transport.last_what = st, what
+            if async_op:
+                return transport._work(p, res, (xa, o), what)
+            return res
 
         return Prepared(code, x, out, arg, async_op, stream, run, reuse=x is not None)
 
@@ -730,7 +738,9 @@ class NCCLTransport:
         finally:
             self.nccl.groupEnd()
         what = ("sendrecv", tuple(xa.shape), xa.dtype)
-        return self._enqueued(st, p, res, (xa, o), what, async_op)
+        if st is not None:
+            self.last_stream, self.last_what = st, what
+        return self._work(p, res, (xa, o), what) if async_op else res
 
     def batch_begin(self):
         """mpicomm.batch(): the GPU calls until batch_end are one NCCL group; host arrays take
