@@ -38,6 +38,9 @@ PREFIX=${MPICOMM_REHEARSAL_PREFIX:-10.78.0}
 IFNAME=mpc0
 HOSTS=(gpuhost1 gpuhost2)
 PY=${PY:-python3}
+# By path: the ranks' PATH is not this shell's (Debian's mpirun puts its own prefix, /usr/bin,
+# first), and a bare python3 there can be another interpreter without mpi4py.
+PY=$(command -v "$PY") || { echo "gpu_cluster_rehearsal.sh: PY=${PY}: no such interpreter" >&2; exit 1; }
 
 die() { echo "gpu_cluster_rehearsal.sh: $*" >&2; exit 1; }
 

@@ -1093,3 +1093,48 @@ def test_launch_timeout_names_the_host_that_never_started(tmp_path):
         down = subprocess.run(["bash", NETNS_SCRIPT, "down"], env=env, capture_output=True, text=True,
                               timeout=120)
         assert down.returncode == 0, down.stderr
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, ["ssh"]),
+    ({"OMPI_MCA_plm_rsh_agent": "/opt/agent --fast"}, ["/opt/agent", "--fast"]),
+    ({"PRTE_MCA_plm_ssh_agent": "/x/agent"}, ["/x/agent"]),
+    ({"OMPI_MCA_plm_rsh_agent": "no-such-agent-here : sh -c"}, ["sh", "-c"]),
+    ({"OMPI_MCA_plm_rsh_agent": "no-such-agent-here : neither-this"}, ["no-such-agent-here"]),
+])
+def test_rsh_agent_is_the_one_open_mpi_uses(env, want):
+    from mpicomm.launch.startup import rsh_agent
+
+    assert rsh_agent(dict(env, PATH=os.environ.get("PATH", ""))) == want
+
+
+def test_startup_probe_runs_the_configured_agent(tmp_path):
+    """The probe that names hosts which did not start runs Open MPI's own rsh agent (a real
+    script here: host 'good' answers, 'refused' fails with a message, 'silent' never
+    answers), with ssh's options only when the agent is ssh."""
+    from mpicomm.launch import startup
+
+    log = tmp_path / "args"
+    agent = tmp_path / "agent"
+    agent.write_text("#!/bin/sh\n"
+                     f"echo \"$@\" >> {log}\n"
+                     "case $1 in good) exit 0 ;; refused) echo 'connect to refused: Connection refused' >&2; "
+                     "exit 255 ;; *) exec sleep 60 ;; esac\n")
+    agent.chmod(0o755)
+    watch = startup.StartupWatch(["good"], ["good"], 1)
+    try:
+        t0 = time.monotonic()
+        bad = watch.probe(["good", "refused", "silent"], [str(agent)])
+        assert time.monotonic() - t0 < startup.PROBE_S + 6
+    finally:
+        watch.close()
+    assert set(bad) == {"refused", "silent"}, bad
+    assert bad["refused"] == f"`{agent} refused true`: connect to refused: Connection refused"
+    assert bad["silent"] == f"`{agent} silent true` gave no answer within {startup.PROBE_S + 3} s"
+    assert sorted(log.read_text().split("\n")[:3]) == ["good true", "refused true", "silent true"]
+    missing = startup.StartupWatch(["x"], ["x"], 1)
+    try:
+        assert missing.probe(["x"], [str(tmp_path / "nope")]) == {"x": f"cannot run {tmp_path / 'nope'}: "
+                                                                       "No such file or directory"}
+    finally:
+        missing.close()

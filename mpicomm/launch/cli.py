@@ -295,17 +295,21 @@ def _run(argv, env, timeout, watch=None, launch_timeout=None):
     if watch is not None:
         try:
             if not watch.wait(proc, launch_timeout):
+                from .startup import rsh_agent
+
+                agent = rsh_agent(env)
+                name = " ".join(agent)
                 print(f"mpicomm-run: not every rank started within --launch-timeout {launch_timeout:g} s "
-                      f"({watch.summary()}); ending the job and its ssh processes",
+                      f"({watch.summary()}); ending the job and its {name} processes",
                       file=sys.stderr, flush=True)
                 _end_group(proc, grace=3.0)
                 remote = [h for h in watch.missing_hosts() if not _hostfile.is_local_host(h)]
-                bad = watch.probe(remote)
+                bad = watch.probe(remote, agent)
                 if bad:
                     print(f"mpicomm-run: host{'s' if len(bad) > 1 else ''} that did not start: "
                           + "; ".join(f"{h} ({why})" for h, why in bad.items()), file=sys.stderr, flush=True)
                 else:
-                    print("mpicomm-run: every host answers `ssh HOST true` now: the ranks were slow to start "
+                    print(f"mpicomm-run: every host answers `{name} HOST true` now: the ranks were slow to start "
                           "(raise --launch-timeout) or mpirun's output above says why", file=sys.stderr, flush=True)
                 return TIMEOUT_EXIT
         finally:

@@ -9,12 +9,37 @@ packets) and ends mpirun's whole process group, the ssh processes included.
 """
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import socket
 import subprocess
 import threading
 import time
 
 PROBE_S = 5   # ssh ConnectTimeout of the probe that names the hosts that do not answer
+
+
+AGENT_VARIABLES = ("OMPI_MCA_plm_rsh_agent", "PRTE_MCA_plm_ssh_agent", "OMPI_MCA_plm_ssh_agent",
+                   "PRTE_MCA_plm_rsh_agent")
+
+
+def rsh_agent(env=None):
+    """The command Open MPI starts remote daemons with, as a list: the first of
+    AGENT_VARIABLES that is set (its first alternative where it lists several, "ssh : rsh",
+    the first one found on PATH as Open MPI takes it), else ["ssh"]."""
+    env = os.environ if env is None else env
+    for var in AGENT_VARIABLES:
+        value = env.get(var, "").strip()
+        if not value:
+            continue
+        alternatives = [shlex.split(a) for a in value.split(":") if a.strip()]
+        for words in alternatives:
+            if os.sep in words[0] or shutil.which(words[0], path=env.get("PATH")):
+                return words
+        if alternatives:
+            return alternatives[0]
+    return ["ssh"]
 
 
 def _route_address(hosts):
@@ -89,26 +114,31 @@ class StartupWatch:
             seen = {h.split(".")[0] for h in self.started.values()}
         return [h for h in self.expected if h.split(".")[0] not in seen]
 
-    def probe(self, hosts, ssh="ssh"):
-        """{host: why} for the ``hosts`` whose ``ssh HOST true`` fails or does not answer
+    def probe(self, hosts, agent=None):
+        """{host: why} for the ``hosts`` whose ``AGENT HOST true`` fails or does not answer
         within PROBE_S + 3 s (run in parallel). Open MPI starts no rank before every host's
-        daemon is up, so the ranks' reports alone cannot tell which host held them up."""
+        daemon is up, so the ranks' reports alone cannot tell which host held them up.
+        ``agent``: the command Open MPI starts remote daemons with (default: rsh_agent())."""
         out = {}
+        agent = list(agent) if agent else rsh_agent()
+        name = " ".join(agent)
+        ssh = os.path.basename(agent[0]) == "ssh"
 
         def one(h):
-            argv = [ssh, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_S}", h, "true"]
+            opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_S}"] if ssh else []
+            argv = [*agent, *opts, h, "true"]
             try:
                 p = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_S + 3,
                                    stdin=subprocess.DEVNULL, errors="replace")
             except subprocess.TimeoutExpired:
-                out[h] = f"`ssh {h} true` gave no answer within {PROBE_S + 3} s"
+                out[h] = f"`{name} {h} true` gave no answer within {PROBE_S + 3} s"
                 return
             except OSError as e:
-                out[h] = f"cannot run ssh: {e.strerror}"
+                out[h] = f"cannot run {name}: {e.strerror}"
                 return
             if p.returncode != 0:
                 last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-                out[h] = f"`ssh {h} true`: {last}"
+                out[h] = f"`{name} {h} true`: {last}"
 
         threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in hosts]
         for t in threads:
