@@ -148,6 +148,17 @@ host=\$1; shift
 name=\$(awk -v h="\$host" '\$1 == h {print \$2}' "$STATE/hosts")   # an address: its host
 pidfile="$STATE/\${name:-\$host}.pid"
 [[ -r \$pidfile ]] || { echo "rsh_agent: unknown host '\$host' (no \$pidfile)" >&2; exit 255; }
+# As ssh does, first reach the host over the network (from the caller's namespace): a host
+# whose link is down fails here, as an unreachable machine would.
+addr=\$(awk -v n="\${name:-\$host}" '\$2 == n {print \$1}' "$STATE/hosts")
+"$PY" -c "import socket, sys
+s = socket.socket(); s.settimeout(5)
+try:
+    s.connect(('\${addr:-\$host}', 9))
+except ConnectionRefusedError:
+    pass
+except OSError as e:
+    sys.exit('rsh_agent: connect to host \$host: ' + (e.strerror or 'timed out'))" || exit 255
 exec nsenter -t "\$(cat "\$pidfile")" \$(cat "$STATE/nsflags") --wd="\$HOME" -- /bin/bash -c "\$*"
 EOF
     # Each host sees its half of the GPUs, chosen by its host name.

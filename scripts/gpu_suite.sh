@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -127,6 +127,23 @@ if want torch; then  # mpicomm.torch: CUDA tensors, the DDP comparison at 2 and 
     step "bench-buckets-fused-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets -n 50 -w 5 --rounds 5 \
         --json "$RES/bench_buckets_fused.json"
     grep -E "reducer\(grads\)|reduce_\(grads\)|one buffer" "$LOG" | tail -4 >>"$SUM"
+fi
+if want verify; then  # the fault matrix's NCCL cases, groups, the reducer's GPU paths and its benchmark
+    step "faults-nccl" 300 "$PY" -m pytest -q -rs -p no:cacheprovider --color=no tests/test_faults.py -k nccl-gpu
+    grep -E "passed|failed|FAILED|SKIPPED" "$LOG" | tail -3 >>"$SUM"
+    for g in 2 4; do
+        [ "$NGPU" -ge "$g" ] || continue
+        step "groups-np$g" 150 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "${PYT[@]}" tests/test_groups.py
+        grep -E "^[0-9]+ passed|failed" "$LOG" | tail -1 >>"$SUM"
+    done
+    step "gpu-buckets-tests-np$NGPU" 150 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py -k "gpu or pipeline"
+    grep -E "^[0-9]+ passed|failed" "$LOG" | tail -1 >>"$SUM"
+    for a in cupy torch; do
+        step "bench-buckets-$a" 150 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets --array "$a" -n 50 -w 5 --rounds 5 \
+            --json "$RES/bench_buckets_$a.json"
+        grep -E "^ *(buckets|one buffer|per-tensor)" "$LOG" | tail -9 >>"$SUM"
+    done
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

@@ -200,7 +200,12 @@ def main():
         mpicomm.all_reduce(x)
         if r == 1:
             say("leaving")
-            sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+            how, status = os.environ.get("EXIT_HOW", "sys.exit"), int(os.environ.get("EXIT_STATUS", "0"))
+            if how == "raise":
+                raise SystemExit(status)
+            if how == "return":  # the script ends normally
+                return
+            sys.exit(status)
         mpicomm.all_reduce(x)
         if GPU:   # NCCL enqueues the call: the wait is here
             import cupy

@@ -336,6 +336,38 @@ def test_reducer_bad_grads(comm):
     np.testing.assert_array_equal(out[0], np.full(3, comm.get_group_size()))
 
 
+@pytest.mark.mpi
+def test_reducer_bad_torch_grads(comm):
+    """PyTorch gradients are checked in one fast pass; whatever it rejects is named as for
+    NumPy: the index, the attribute, the value and the parameter's."""
+    torch = pytest.importorskip("torch")
+    params = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, 2)]
+    red = comm.DistributedGradReducer(params)
+    ok = [torch.ones(3, dtype=torch.float64), torch.ones(2, 2)]
+    cases = [
+        ([torch.ones(4, dtype=torch.float64), ok[1]], r"grads\[0\].shape=\(4,\).*\(3,\), the shape of parameters\[0\]"),
+        ([ok[0], torch.ones(2, 2, dtype=torch.float64)], r"grads\[1\].dtype='float64'.*float32, the dtype of parameters\[1\]"),
+        ([ok[0], torch.ones(4)], r"grads\[1\].shape=\(4,\).*\(2, 2\)"),
+        ([np.ones(3), ok[1]], r"grads\[0\]='ndarray'.*a torch array like parameters\[0\]"),
+        ([None, ok[1]], r"grads\[0\]='NoneType'"),
+    ]
+    for grads, match in cases:
+        with pytest.raises(InvalidArgumentError, match=match):
+            red(grads)
+        with pytest.raises(InvalidArgumentError, match=match):
+            red.reduce_(grads)
+    n, r = comm.get_group_size(), comm.get_rank()
+
+    def mine_of(q):
+        g = rank_rng(q, "bad_torch_grads")
+        return g.standard_normal(3), g.standard_normal((2, 2)).astype(np.float32)
+
+    a, b = mine_of(r)
+    out = red([torch.from_numpy(a), torch.from_numpy(b).t()])  # a transposed (non-contiguous) gradient is fine
+    np.testing.assert_allclose(out[0].numpy(), np.sum([mine_of(q)[0] for q in range(n)], 0), rtol=1e-12)
+    np.testing.assert_allclose(out[1].numpy(), np.sum([mine_of(q)[1] for q in range(n)], 0).T, rtol=1e-5)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ranks_with_different_models_all_raise(comm):
     r = comm.get_rank()
@@ -527,10 +559,11 @@ def test_no_warnings_from_a_plain_plan():
 @pytest.mark.mpi
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["cupy", "torch"])
-@pytest.mark.parametrize("group_launch", [True, False])
-def test_gpu_blocking_step_several_buckets_compressed(nccl, which, group_launch, request):
-    """A blocking step over several fp16-compressed buckets, issued in one NCCL group or one
-    by one: the unscale/copy-back after each all-reduce must see the reduced data."""
+@pytest.mark.parametrize("launch", ["group", "one-by-one", "pipeline"])
+def test_gpu_blocking_step_several_buckets_compressed(nccl, which, launch, request):
+    """A blocking step over several fp16-compressed buckets, issued in one NCCL group, one
+    by one, or each right after its packing (pipeline, on a side stream): the unscale and
+    copy-back after each all-reduce must see the reduced data, in place and as new arrays."""
     to, host = _family(which)
     n, r = nccl.get_group_size(), nccl.get_rank()
     name = request.node.name
@@ -538,11 +571,37 @@ def test_gpu_blocking_step_several_buckets_compressed(nccl, which, group_launch,
     red = nccl.DistributedGradReducer([to(np.zeros(s, np.float32)) for s in SHAPES], mean=True,
                                       compression="fp16", bucket_cap_mb=cap_for(300))
     assert len(red.buckets) >= 3
-    red.group_launch = group_launch
-    for step in range(2):
-        out = red.reduce_([to(g) for g in grads_of(r, name + str(step), SHAPES, dts)])
+    red.group_launch = launch == "group"
+    red.pipeline = launch == "pipeline"
+    for step in range(4):
+        given = [to(g) for g in grads_of(r, name + str(step), SHAPES, dts)]
+        out = red.reduce_(given) if step % 2 == 0 else red(given)
+        assert (out is given) == (step % 2 == 0)
         for o, w in zip(out, total(name + str(step), SHAPES, dts, n)):
             np.testing.assert_allclose(host(o), w / n, atol=2.0 ** -11 * 8 * max(1.0, float(np.abs(w).max())))
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["cupy", "torch"])
+def test_gpu_pipelined_reducer_exact_sums(nccl, which, request):
+    """reducer(grads) with pipeline on, several float32 buckets and new arrays each step: the
+    sums are exact (integer-valued data), the inputs unchanged, results not aliasing them."""
+    to, host = _family(which)
+    n, r = nccl.get_group_size(), nccl.get_rank()
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    base = [rng.integers(-1000, 1000, size=s).astype(np.float32) for s in SHAPES]
+    red = nccl.DistributedGradReducer([to(np.zeros(s, np.float32)) for s in SHAPES], mean=False,
+                                      bucket_cap_mb=cap_for(200))
+    red.pipeline = True
+    assert len(red.buckets) >= 3
+    for step in range(3):
+        mine = [b * (r + 1) + step for b in base]
+        given = [to(m) for m in mine]
+        out = red(given)
+        for o, g, m, b in zip(out, given, mine, base):
+            np.testing.assert_array_equal(host(o), b * (n * (n + 1) // 2) + n * step)
+            np.testing.assert_array_equal(host(g), m)
 
 
 @pytest.mark.mpi
@@ -604,6 +663,20 @@ def test_call_results_are_new_arrays_that_outlive_the_next_step(comm, plan, requ
 def test_bucket_group_environment(comm, monkeypatch, value, want):
     monkeypatch.setenv("MPICOMM_BUCKET_GROUP", value)
     assert comm.DistributedGradReducer([np.zeros(3), np.zeros(4)]).group_launch is want
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("value, want", [("0", False), ("on", True), ("", False)])
+def test_bucket_pipeline_environment(comm, monkeypatch, value, want):
+    monkeypatch.setenv("MPICOMM_BUCKET_PIPELINE", value)
+    assert comm.DistributedGradReducer([np.zeros(3), np.zeros(4)]).pipeline is want
+
+
+@pytest.mark.mpi
+def test_bucket_pipeline_environment_bad_value_raises_on_every_rank(comm, monkeypatch):
+    monkeypatch.setenv("MPICOMM_BUCKET_PIPELINE", "sometimes")
+    with pytest.raises(InvalidArgumentError, match=r"MPICOMM_BUCKET_PIPELINE='sometimes'.*1, on, true or yes"):
+        comm.DistributedGradReducer([np.zeros(3)])
 
 
 @pytest.mark.mpi

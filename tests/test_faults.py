@@ -165,6 +165,29 @@ def test_early_exit_is_reported_within_seconds(status):
     nothing_left(token)
 
 
+@pytest.mark.parametrize("how, status", [("raise", 3), ("return", 0)])
+def test_early_exit_without_sys_exit(how, status):
+    """Rank 1 leaves by ``raise SystemExit(3)`` or by returning from its script. Python 3.12
+    and later: mpicomm sees the script's top level end (sys.monitoring), so the peers name
+    the status and a non-zero one ends the job with it. Before 3.12 the two cannot be told
+    apart at exit: the peers say the status is unknown, and the job ends with 1."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(3, "early_exit", limit=90, token=token,
+                  env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": str(status), "EXIT_HOW": how})
+    assert took < 30, took
+    assert results(p) == {1: ["leaving"]}
+    if sys.version_info >= (3, 12):
+        assert p.returncode == (status or 1), (p.returncode, p.stderr)
+        said = f"exit status {status}"
+    else:
+        assert p.returncode == 1, (p.returncode, p.stderr)
+        said = "it returned, or exited without sys.exit: status unknown"
+    msg = report_of(p, 0, "CommunicationError") if "[mpicomm rank 0] CommunicationError" in p.stderr \
+        else report_of(p, 2, "CommunicationError")
+    assert f"Rank 1 has left the script ({said}) without reaching this call" in msg, msg
+    nothing_left(token)
+
+
 @pytest.mark.parametrize("gpu", [GPU])
 def test_early_exit_on_gpu_is_reported_within_seconds(gpu):
     """NCCL (nccl-gpu): rank 1 exits with 3 while rank 0's all_reduce waits on the GPU for it;

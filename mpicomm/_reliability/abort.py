@@ -86,14 +86,70 @@ def _status_of(code):
     return 1   # a message (printed), or any other object
 
 
+def _main_code():
+    """The code object of the script's own top level (the outermost frame that runs the
+    ``__main__`` module's globals), or None (called from a thread, or an embedded Python)."""
+    main = getattr(sys.modules.get("__main__"), "__dict__", None)
+    found, f = None, sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "<module>" and f.f_globals is main:
+            found = f.f_code
+        f = f.f_back
+    return found
+
+
 class ExitStatus:
     """Learns this process's exit status for the peers: ``sys.exit``, ``exit`` and ``quit``
-    record theirs; an uncaught exception is 1 (Python sets ``sys.last_value``). A return
-    from the script and a bare ``raise SystemExit(n)`` look alike at exit: unknown."""
+    record theirs; an uncaught exception is 1 (Python sets ``sys.last_value``). On Python
+    3.12 and later, ``sys.monitoring`` also sees the script's top level end: a return
+    (status 0) or an exception leaving it (``raise SystemExit(n)``: n). Before 3.12 a
+    return and a bare ``raise SystemExit(n)`` look alike at exit: unknown."""
+
+    TOOL_NAME = "mpicomm-exit"
 
     def __init__(self):
         self.code = None
         self.prev = None
+        self.tool = None
+
+    def _watch_main(self):
+        mon = getattr(sys, "monitoring", None)
+        code = _main_code() if mon is not None else None
+        if code is None:
+            return
+        tool = next((t for t in (4, 3) if mon.get_tool(t) is None), None)  # ids no standard tool takes
+        if tool is None:
+            return
+        mon.use_tool_id(tool, self.TOOL_NAME)
+        E = mon.events
+
+        def unwind(c, offset, exc):
+            # a global event (it cannot be set on one code object): filtered here
+            if c is code and self.code is None:
+                self.code = (_status_of(exc.code) if isinstance(exc, SystemExit) else
+                             130 if isinstance(exc, KeyboardInterrupt) else 1)
+                mon.set_events(tool, 0)   # the script has ended: stop listening
+
+        def returned(c, offset, value):
+            if self.code is None:
+                self.code = 0
+
+        mon.register_callback(tool, E.PY_UNWIND, unwind)
+        mon.register_callback(tool, E.PY_RETURN, returned)
+        mon.set_events(tool, E.PY_UNWIND)
+        mon.set_local_events(tool, code, E.PY_RETURN)
+        self.tool = tool
+
+    def _unwatch_main(self):
+        if self.tool is None:
+            return
+        mon = sys.monitoring
+        if mon.get_tool(self.tool) == self.TOOL_NAME:
+            mon.set_events(self.tool, 0)
+            mon.register_callback(self.tool, mon.events.PY_UNWIND, None)
+            mon.register_callback(self.tool, mon.events.PY_RETURN, None)
+            mon.free_tool_id(self.tool)
+        self.tool = None
 
     def install(self):
         import builtins
@@ -122,6 +178,10 @@ class ExitStatus:
 
         exit.__doc__ = real.__doc__
         sys.exit = exit
+        try:
+            self._watch_main()
+        except Exception:  # pragma: no cover - monitoring is a help, never a failure
+            self.tool = None
         if self.prev[1] is not None:
             builtins.exit = wrap(self.prev[1])
         if self.prev[2] is not None:
@@ -130,6 +190,7 @@ class ExitStatus:
     def uninstall(self):
         import builtins
 
+        self._unwatch_main()
         if self.prev is None:
             return
         sys.exit = self.prev[0]
