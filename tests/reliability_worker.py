@@ -230,8 +230,14 @@ def main():
 
             cupy.cuda.get_current_stream().synchronize()
         if r == 0:
-            if MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
-                mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=0 if GPU else 5)
+            if MODE == "send_norecv" and GPU:  # GPU_SEND_COUNT: larger than NCCL can stage
+                import cupy
+
+                count = int(os.environ["GPU_SEND_COUNT"])
+                y = cupy.random.default_rng(r + 1).standard_normal(count, dtype=cupy.float32)
+                mpicomm.send(y, 1, tag=0)
+            elif MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
+                mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=5)
             else:
                 mpicomm.recv(x, 1, tag=0 if GPU else 5)
             if GPU:   # NCCL enqueues the call: the wait is here

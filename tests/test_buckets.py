@@ -559,11 +559,11 @@ def test_no_warnings_from_a_plain_plan():
 @pytest.mark.mpi
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["cupy", "torch"])
-@pytest.mark.parametrize("launch", ["group", "one-by-one", "pipeline"])
+@pytest.mark.parametrize("launch", ["group", "one-by-one"])
 def test_gpu_blocking_step_several_buckets_compressed(nccl, which, launch, request):
-    """A blocking step over several fp16-compressed buckets, issued in one NCCL group, one
-    by one, or each right after its packing (pipeline, on a side stream): the unscale and
-    copy-back after each all-reduce must see the reduced data, in place and as new arrays."""
+    """A blocking step over several fp16-compressed buckets, issued in one NCCL group or one
+    by one: the unscale and copy-back after each all-reduce must see the reduced data, in
+    place and as new arrays."""
     to, host = _family(which)
     n, r = nccl.get_group_size(), nccl.get_rank()
     name = request.node.name
@@ -572,36 +572,12 @@ def test_gpu_blocking_step_several_buckets_compressed(nccl, which, launch, reque
                                       compression="fp16", bucket_cap_mb=cap_for(300))
     assert len(red.buckets) >= 3
     red.group_launch = launch == "group"
-    red.pipeline = launch == "pipeline"
     for step in range(4):
         given = [to(g) for g in grads_of(r, name + str(step), SHAPES, dts)]
         out = red.reduce_(given) if step % 2 == 0 else red(given)
         assert (out is given) == (step % 2 == 0)
         for o, w in zip(out, total(name + str(step), SHAPES, dts, n)):
             np.testing.assert_allclose(host(o), w / n, atol=2.0 ** -11 * 8 * max(1.0, float(np.abs(w).max())))
-
-
-@pytest.mark.mpi
-@pytest.mark.gpu
-@pytest.mark.parametrize("which", ["cupy", "torch"])
-def test_gpu_pipelined_reducer_exact_sums(nccl, which, request):
-    """reducer(grads) with pipeline on, several float32 buckets and new arrays each step: the
-    sums are exact (integer-valued data), the inputs unchanged, results not aliasing them."""
-    to, host = _family(which)
-    n, r = nccl.get_group_size(), nccl.get_rank()
-    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-    base = [rng.integers(-1000, 1000, size=s).astype(np.float32) for s in SHAPES]
-    red = nccl.DistributedGradReducer([to(np.zeros(s, np.float32)) for s in SHAPES], mean=False,
-                                      bucket_cap_mb=cap_for(200))
-    red.pipeline = True
-    assert len(red.buckets) >= 3
-    for step in range(3):
-        mine = [b * (r + 1) + step for b in base]
-        given = [to(m) for m in mine]
-        out = red(given)
-        for o, g, m, b in zip(out, given, mine, base):
-            np.testing.assert_array_equal(host(o), b * (n * (n + 1) // 2) + n * step)
-            np.testing.assert_array_equal(host(g), m)
 
 
 @pytest.mark.mpi
@@ -663,20 +639,6 @@ def test_call_results_are_new_arrays_that_outlive_the_next_step(comm, plan, requ
 def test_bucket_group_environment(comm, monkeypatch, value, want):
     monkeypatch.setenv("MPICOMM_BUCKET_GROUP", value)
     assert comm.DistributedGradReducer([np.zeros(3), np.zeros(4)]).group_launch is want
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("value, want", [("0", False), ("on", True), ("", False)])
-def test_bucket_pipeline_environment(comm, monkeypatch, value, want):
-    monkeypatch.setenv("MPICOMM_BUCKET_PIPELINE", value)
-    assert comm.DistributedGradReducer([np.zeros(3), np.zeros(4)]).pipeline is want
-
-
-@pytest.mark.mpi
-def test_bucket_pipeline_environment_bad_value_raises_on_every_rank(comm, monkeypatch):
-    monkeypatch.setenv("MPICOMM_BUCKET_PIPELINE", "sometimes")
-    with pytest.raises(InvalidArgumentError, match=r"MPICOMM_BUCKET_PIPELINE='sometimes'.*1, on, true or yes"):
-        comm.DistributedGradReducer([np.zeros(3)])
 
 
 @pytest.mark.mpi

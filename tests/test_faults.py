@@ -19,6 +19,9 @@ from conftest import ROOT, clean_mpi_env, mpirun_argv
 
 WORKER = os.path.join(ROOT, "tests", "reliability_worker.py")
 TIMEOUT = 5  # MPICOMM_TIMEOUT in these jobs, seconds
+# float32 elements of the unmatched send on the GPU (1 GiB): NCCL completes a send once its
+# data is in the receiver's staging buffers, and 16 MiB fit there over NVLink
+GPU_SEND_COUNT = 256 << 20
 
 
 def _gpus():
@@ -45,8 +48,17 @@ def run(n, mode, gpu=False, limit=120, env=None, token=None):
     argv = mpirun_argv(n, WORKER, mode, *(["--gpu"] if gpu else []), *([token] if token else []))
     e = clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT), **(env or {})})
     t0 = time.monotonic()
-    p = subprocess.run(argv, env=e, capture_output=True, text=True, timeout=limit, errors="replace")
-    return p, time.monotonic() - t0
+    # a session of its own: a job past the limit is killed whole (mpirun and every rank), so
+    # no rank of a failed case lives on into the next one
+    with subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          errors="replace", start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, limit, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), time.monotonic() - t0
 
 
 def timeout_report(n, mode):
@@ -420,11 +432,11 @@ def test_unmatched_gpu_send_recv_is_named(mode, call, other, tmp_path):
     synchronize. The watchdog keeps the call published until the GPU has done it, and
     reports it on the GPU, naming rank 1 and showing its stack (nccl-gpu)."""
     token = f"faulttoken-{uuid.uuid4().hex}"
-    p, took = run(2, mode, True, limit=TIMEOUT + 90, token=token)
+    p, took = run(2, mode, True, limit=TIMEOUT + 90, token=token, env={"GPU_SEND_COUNT": str(GPU_SEND_COUNT)})
     nothing_left(token)
     assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
     msg = report_of(p, 0)
-    shape = "(4,)" if mode == "recv_nosend" else "(4194304,)"
+    shape = "(4,)" if mode == "recv_nosend" else f"({GPU_SEND_COUNT},)"
     assert msg.startswith(f"rank 0: {call} rank 1 (tag 0, shape {shape}, dtype float32) on group 'world' did not "
                           "complete within 5 s"), msg
     assert "on the GPU" in msg and f"Rank 1 has not reached the matching {other}" in msg, msg

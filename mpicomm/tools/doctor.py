@@ -300,6 +300,7 @@ def _mpi_pair(comm, me, peer, first, nbytes, iters, reps):
     buf = _payload(nbytes, seed) if first else np.empty(nbytes, np.uint8)
     stream(buf, 1)
     intact = True if first else bool(np.array_equal(buf, _payload(nbytes, seed)))
+    ping(1)   # both ready again (the receiver's check took a while): the clock starts together
     t0 = time.perf_counter()
     stream(buf, reps)
     elapsed = time.perf_counter() - t0
@@ -375,8 +376,11 @@ def _nccl_pair(comm, me, peer, first, gpu, nbytes, iters, reps, log_path):
         latency = (time.perf_counter() - t0) / (2 * iters)
         seed = _seed(me, peer, 17)
         buf = cupy.asarray(_payload(nbytes, seed)) if first else cupy.empty(nbytes, cupy.uint8)
+        # the upload above is on CuPy's current stream, which does not order ``st``
+        cupy.cuda.Device().synchronize()
         stream(buf, 1)
         intact = True if first else bool(cupy.array_equal(buf, cupy.asarray(_payload(nbytes, seed))))
+        ping(1)   # both ready again (the receiver's check took a while): the clock starts together
         t0 = time.perf_counter()
         stream(buf, reps)
         elapsed = time.perf_counter() - t0

@@ -525,7 +525,6 @@ class DistributedGradReducer:
             if not isinstance(fp32_sync, (bool, np.bool_)):
                 raise invalid("fp32_sync", fp32_sync, "True or False")
             group_launch = env_bool("MPICOMM_BUCKET_GROUP", True)
-            pipeline = env_bool("MPICOMM_BUCKET_PIPELINE", False)
             plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
             sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
                    bool(fp32_sync))
@@ -571,10 +570,6 @@ class DistributedGradReducer:
         # of one after the other, so small buckets lose little to one big buffer.
         # MPICOMM_BUCKET_GROUP=0 (or setting this attribute to False) issues them one by one.
         self.group_launch = group_launch
-        # reducer(grads) / reduce_(grads) on NCCL: start each bucket's all-reduce (on a side
-        # stream) right after packing it, so the packing copies of the next buckets overlap
-        # the reduction of the first (instead of one NCCL group after every copy).
-        self.pipeline = pipeline
 
     # ----------------------------------------------------------- setup
     def _build(self, plan, specs):
@@ -803,7 +798,6 @@ class DistributedGradReducer:
             for b, new in zip(self._buckets, into):
                 b.wire = new if b.wire is b.flat else b.wire
                 b.flat = new
-        pipelined = self.pipeline and len(self._buckets) > 1 and all(b.stream_mode for b in self._buckets)
         try:
             for bi, b in enumerate(self._buckets):
                 given = [grads[i] for i in b.indices]
@@ -820,15 +814,9 @@ class DistributedGradReducer:
                     for g, v in zip(given, b.views):
                         if g is not v:
                             b.fam.copy(v, g)
-                if pipelined:
-                    b.remaining = 0
-                    self._launch(b, overlap=True)  # on the side stream, after this packing
-            if pipelined:
-                self._next = len(self._buckets)
-            else:
-                for b in self._buckets:
-                    b.remaining = 0
-                self._launch_all()
+            for b in self._buckets:
+                b.remaining = 0
+            self._launch_all()
             self._finish()
         finally:
             if saved is not None:

@@ -104,10 +104,6 @@ def _modes(b, shapes, sizes, total):
                       None))
         modes.append(("buckets (grad_views)", nb, functools.partial(red.reduce_, red.grad_views()), None))
         if b.backend == "nccl" and fam.gpu:
-            redp = Reducer(sets[0], mean=False, **kw)  # each bucket reduced right after its packing
-            redp.pipeline = True
-            modes.append(("buckets reducer(grads) pipelined", nb, rotate([functools.partial(redp, gs) for gs in sets]),
-                          None))
             red1 = Reducer(sets[0], mean=False, **kw)  # the same buckets issued one by one, not in an NCCL group
             red1.group_launch = False
             modes.append(("buckets (one by one)", nb, functools.partial(red1.reduce_, red1.grad_views()), None))
