@@ -53,6 +53,52 @@ def test_results_survive_later_calls_numpy(comm, cap, request):
     check_results_survive(np, lambda a: a, request.node.name, cap)
 
 
+@pytest.mark.parametrize("cap", [25.0, 0, 100 / 2 ** 20])
+def test_results_survive_later_calls_torch_cpu(comm, cap, request):
+    """PyTorch tensors: a result buffer is reused only when no tensor shares its storage
+    (PyTorch's own count of the storage's references), so held results, derived views and
+    exports stay intact."""
+    torch = pytest.importorskip("torch")
+    if comm.get_backend() != "mpi":
+        pytest.skip("CPU tensors: the MPI backend")
+
+    class T:  # grads_of's xp for CPU tensors
+        asarray = staticmethod(lambda a: torch.from_numpy(np.ascontiguousarray(a)))
+        zeros = staticmethod(lambda s, dt: torch.zeros(s, dtype=torch.float64))
+
+    check_results_survive(T, lambda a: a.numpy(), request.node.name, cap)
+
+
+def test_dropped_torch_results_are_reused(comm, request):
+    """The point of keeping result buffers: once every result of a call is dropped, the
+    next call packs into the same memory (no new views to make); a result still held
+    anywhere (here a view of a view) keeps its buffer out of reuse."""
+    torch = pytest.importorskip("torch")
+    from mpicomm.training.buckets import _torch_storage_use_count
+
+    if comm.get_backend() != "mpi":
+        pytest.skip("CPU tensors: the MPI backend")
+    assert _torch_storage_use_count() is not None, "this PyTorch has no torch._C._storage_Use_Count"
+    n, r = comm.get_group_size(), comm.get_rank()
+    red = mpicomm.DistributedGradReducer([torch.zeros(s, dtype=torch.float64) for s in SHAPES], mean=False)
+
+    def step(k):
+        return red([torch.from_numpy(g) for g in grads_of(r, k, request.node.name)])
+
+    a = step(1)
+    ptr = a[0].data_ptr()
+    del a
+    b = step(2)
+    assert b[0].data_ptr() == ptr  # reused
+    keep = b[2][1:][0]   # a view of a view: no Python reference to b's tensors
+    del b
+    c = step(3)
+    assert c[0].data_ptr() != ptr  # b's buffer is still looked at through `keep`
+    np.testing.assert_allclose(keep.numpy(), want_of(n, 2, request.node.name)[2][1:][0], rtol=1e-12)
+    for got, w in zip(c, want_of(n, 3, request.node.name)):
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-12, atol=1e-12)
+
+
 def test_grad_views_given_to_call_are_left_alone(comm, request):
     n, r = comm.get_group_size(), comm.get_rank()
     red = mpicomm.DistributedGradReducer([np.zeros(s) for s in SHAPES], mean=True)
@@ -83,13 +129,17 @@ def test_results_survive_later_calls_cupy(cupy_nccl, cap, dtype, request):
 
 
 @pytest.mark.gpu
-def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng):
+@pytest.mark.parametrize("sizes", [
+    [1, 3, 16, 17, 1000, (1 << 18) + 5, 2 * (1 << 18), 7],      # every alignment, 1 to 16 bytes
+    [16, 4096, 1 << 18, (1 << 18) + 16 * 7, 48, 16 * 1023],     # 16-byte aligned: the unrolled path
+    [4, 8, 4 * 100003, 12],                                     # 4-byte aligned
+], ids=["mixed", "aligned16", "aligned4"])
+def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng, sizes):
     """The copy kernel over buffers of every alignment (1-byte to 16-byte) and sizes
     across its 256 KiB chunks, both ways."""
     cp = cupy_nccl
     from mpicomm.training.buckets import CUPY
 
-    sizes = [1, 3, 16, 17, 1000, (1 << 18) + 5, 2 * (1 << 18), 7]
     arrays = [cp.asarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in sizes]
     flat = cp.zeros(sum(sizes), np.uint8)
     CUPY.pack(flat, arrays)

@@ -462,16 +462,33 @@ class _Bucket:
 
 
 _OUT_SLOTS = 2  # result buffers kept per bucket for reducer(grads), reused once the caller drops them
+_torch_use_count = None  # torch._C._storage_Use_Count, looked up at the first PyTorch bucket
 
 
 def _refcounts(slot):
     """The reference counts that tell whether anything outside the slot holds its buffer,
-    its views, or (CuPy) its memory: derived views and DLPack or CUDA-array-interface
-    consumers all hold one of these."""
+    its views, or their memory: derived views and DLPack or CUDA-array-interface consumers
+    all hold one of these (CuPy: the allocation's Python object; PyTorch: the storage's
+    C++ use count, which every tensor sharing it holds, Python object or not)."""
     flat, views = slot[0], slot[1]
-    mem = None if isinstance(flat, np.ndarray) else flat.data.mem  # CuPy: the allocation itself
-    return (sys.getrefcount(flat), sys.getrefcount(mem) if mem is not None else 0,
-            tuple(sys.getrefcount(v) for v in views))
+    if isinstance(flat, np.ndarray):
+        held = 0
+    elif _torch_use_count is not None and type(flat).__module__.startswith("torch"):
+        held = _torch_use_count(flat.untyped_storage()._cdata)
+    else:
+        held = sys.getrefcount(flat.data.mem)  # CuPy: the allocation itself
+    return (sys.getrefcount(flat), held, tuple(sys.getrefcount(v) for v in views))
+
+
+def _torch_storage_use_count():
+    """PyTorch's count of the references to a storage (its C++ intrusive pointer), or None
+    where this PyTorch has no such function (then its results are never reused)."""
+    try:
+        import torch
+
+        return getattr(torch._C, "_storage_Use_Count", None)
+    except Exception:
+        return None
 
 
 class DistributedGradReducer:
@@ -850,7 +867,12 @@ class DistributedGradReducer:
         """[flat, views] for reducer(grads)'s result: a kept one that nothing outside holds
         any more (NumPy, CuPy: reference counts; making 161 views costs more host time than
         the reduction), else a new one."""
-        pooled = b.fam is not TORCH  # a PyTorch view holds its base in C++, out of sight
+        global _torch_use_count
+        if b.fam is TORCH and _torch_use_count is None:
+            _torch_use_count = _torch_storage_use_count()
+        # a PyTorch view holds its base in C++, out of sight of Python's counts: reused only
+        # where the storage's own count can be read
+        pooled = b.fam is not TORCH or _torch_use_count is not None
         if pooled:
             if b.outs is None:
                 b.outs = []
