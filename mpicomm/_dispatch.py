@@ -51,17 +51,17 @@ def mpi_error(e, name, seq, group):
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
-    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "on_timeout", "fr", "fmask", "gh",
+    __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch")
 
-    def __init__(self, group, transport, mem, row, on_timeout=None):
+    def __init__(self, group, transport, mem, row, watch=None):
         self.group = group
         self.transport = transport     # the group's transport (or the debug wrapper around it)
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
         self.mem = mem                 # this rank's progress words (int64 memoryview)
         self.row = row                 # index of the group's "entered" word; "done" follows it
         self.seq = 0                   # collectives issued on the group so far
-        self.on_timeout = on_timeout   # builds a Work's timeout error, with the peers' state
+        self.watch = watch             # the watchdog: a Work's timeout error, a departed peer
         self.fr = new_ring()           # the flight recorder's ring (a power of two long), or None
         self.fmask = len(self.fr) - 1 if self.fr is not None else 0
         self.batch = None              # the Works of an open mpicomm.batch() block, or None
@@ -103,7 +103,7 @@ class Dispatcher:
         m[b + 1] = v
         if async_op:
             r._what = r._what[:3] + (self.group, seq)
-            r._on_timeout = self.on_timeout
+            r._watch = self.watch
         return r
 
     def describe(self, code):
@@ -115,7 +115,7 @@ class Dispatcher:
         r = self.watched(BARRIER, lambda: self.transport.barrier(async_op))
         if async_op:
             r._what = r._what[:3] + (self.group, self.seq)
-            r._on_timeout = self.on_timeout
+            r._watch = self.watch
         return r
 
     def watched(self, code, fn):
@@ -153,7 +153,7 @@ class Dispatcher:
             r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
             if r is not None and hasattr(r, "_what"):
                 r._what = r._what[:3] + (g, ("p2p", code, wpeer, tag))
-                r._on_timeout = self.on_timeout
+                r._watch = self.watch
             return r
         if wpeer < 0:   # the transport refuses it with the allowed range
             return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)

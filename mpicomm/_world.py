@@ -129,7 +129,7 @@ def _attach(ctx, g):
     A group still being created (no transport yet) gets its transport later (_connect)."""
     rel = ctx.reliability
     t = rel.wrap(g.transport, g) if g.transport is not None else None
-    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog.work_timeout)
+    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog)
     g.call = g.disp.call
 
 
@@ -137,11 +137,12 @@ def finalize():
     """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
     if not CTX.initialized:
         return
+    # dropped async work still writes into its buffers: finish it first (each Work is
+    # watched by its own timeout, which names its peers)
+    complete_dropped()
     # watched by a timer (the watchdog stops below): a stage past the timeout is reported
-    guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "dropped")
+    guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "free")
     try:
-        complete_dropped()   # dropped async work still writes into its buffers: finish it first
-        guard.set("free")
         CTX.reliability.close(free=True)
         for g in list(CTX.groups.values()) + [CTX.world]:
             if g.transport is not None:

@@ -252,6 +252,31 @@ def main():
         else:
             time.sleep(120)
         say("finished")
+    elif MODE in ("async_recv_exit", "async_allreduce_exit"):  # rank 1 leaves; the others wait on a Work
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 1:
+            say("leaving")
+            sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
+        if MODE == "async_allreduce_exit":
+            mpicomm.all_reduce(x, async_op=True).wait()
+        elif r == 0:
+            mpicomm.recv(x, 1, tag=0 if GPU else 5, async_op=True).wait()
+        else:
+            time.sleep(120)
+        say("finished")
+    elif MODE == "finalize_dropped":  # rank 0 drops an async recv that rank 1 never matches, then finalizes
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 0:
+            import warnings
+
+            warnings.simplefilter("ignore")   # the dropped-Work warning: expected here
+            mpicomm.recv(x, 1, tag=5, async_op=True)
+            mpicomm.finalize()
+        else:
+            time.sleep(120)
+        say("finished")
     elif MODE == "async_recv_timeout":  # rank 0's async recv from rank 1, which never sends
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)

@@ -515,6 +515,46 @@ def test_recv_from_a_rank_that_exits(n, status):
     assert f"Rank 1 has left the script (exit status {status}) without the matching send" in msg
 
 
+@pytest.mark.parametrize("n, gpu", [pytest.param(2, False, id="2-cpu"), pytest.param(4, False, id="4-cpu"),
+                                    pytest.param(2, True, marks=GPU.marks, id="2-nccl-gpu")])
+@pytest.mark.parametrize("mode", ["async_recv_exit", "async_allreduce_exit"])
+def test_a_rank_that_exits_is_noticed_by_work_wait(n, gpu, mode):
+    """Rank 1 exits with 3 while rank 0 waits in Work.wait() (an async recv from it, or an
+    async all_reduce): the wait notices within seconds, reports as a blocking call does,
+    and the job ends with 3, long before the timeout (60 s). NCCL too (nccl-gpu)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(n, mode, gpu, limit=90, env={"MPICOMM_TIMEOUT": "60", "EXIT_STATUS": "3"}, token=token)
+    nothing_left(token)
+    assert p.returncode == 3 and took < 25, (p.returncode, took, p.stderr)
+    assert results(p) == {1: ["leaving"]}
+    if mode == "async_recv_exit":
+        msg = report_of(p, 0, "CommunicationError")
+        tag = 0 if gpu else 5
+        assert msg.startswith(f"rank 0: recv from rank 1 (tag {tag}, shape (4,), dtype float32) on group 'world' "
+                              "cannot complete"), msg
+        assert "Rank 1 has left the script (exit status 3) without the matching send" in msg, msg
+    else:
+        reporters = [r for r in range(n) if f"[mpicomm rank {r}] CommunicationError" in p.stderr]
+        assert reporters, p.stderr
+        msg = report_of(p, reporters[0], "CommunicationError")
+        assert "all_reduce sequence 2 on group 'world'" in msg and "cannot complete" in msg, msg
+        assert "Rank 1 has left the script (exit status 3) without reaching this call" in msg, msg
+
+
+def test_finalize_with_dropped_work_that_cannot_complete():
+    """Rank 0 drops an async recv that rank 1 never matches and calls finalize(): finalize
+    completes the dropped work first, which times out with its own diagnosis (naming
+    rank 1 and where it is), and the job ends with 1 soon after the timeout."""
+    p, took = fault(2, "finalize_dropped", limit=TIMEOUT + 60)
+    assert p.returncode == 1 and took < TIMEOUT + 15, (p.returncode, took, p.stderr)
+    msg = report_of(p, 0)
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' did not "
+                          "complete within 5 s"), msg
+    assert "Rank 1 has not reached the matching send" in msg, msg
+    assert "finalize() did not complete" not in p.stderr, p.stderr   # the Work's report, not a second one
+    assert "finished" not in p.stdout
+
+
 @pytest.mark.parametrize("n", NRANKS)
 def test_nonzero_exit_while_the_others_compute_ends_the_job_with_its_status(n):
     """Rank 1 exits with 3 while the others are busy outside mpicomm (no call to notice it):

@@ -31,6 +31,11 @@ import warnings
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 
+# Seconds between a waiting Work's checks (through the watchdog the dispatcher hands it)
+# whether a rank the call waits for has left its script; the watchdog's EXIT_CHECK for
+# blocking calls.
+DEPARTED_CHECK = 2.0
+
 # Works dropped before they completed. MPI and NCCL go on writing into their buffers
 # after the handle is gone, so a dropped Work is kept here (with its request and
 # buffers) and completed at the next collective, barrier or finalize.
@@ -42,13 +47,13 @@ DROPPED_WARNING = ("mpicomm: a Work (async_op=True) was dropped before it comple
 
 
 def complete_dropped():
-    """Complete every dropped Work (blocking), in the order they were dropped."""
+    """Complete every dropped Work (blocking), in the order they were dropped.
+
+    Each waits with its own timeout; one that does not complete raises its
+    CollectiveTimeoutError (with the diagnosis) here, in the call that came next, as
+    ``wait()`` would have: the group cannot go on, and left uncaught it ends the job."""
     while _dropped:
-        w = _dropped.pop(0)
-        try:
-            w.wait()
-        except Exception:  # its error (a timeout) was reported by the watchdog already
-            pass
+        _dropped.pop(0).wait()
 
 
 class Prepared:
@@ -100,7 +105,7 @@ class Work:
     ``is_completed()`` tells without blocking.
     """
 
-    __slots__ = ("_result", "_done", "_what", "_post", "_on_timeout")
+    __slots__ = ("_result", "_done", "_what", "_post", "_watch")
 
     default_timeout = None          # set by init: the group's timeout (None: no limit)
 
@@ -109,7 +114,7 @@ class Work:
         self._done = False
         self._what = what           # (name, shape, dtype) and, from the dispatcher, (group, seq)
         self._post = post
-        self._on_timeout = None     # from the dispatcher: builds the timeout error with diagnosis
+        self._watch = None          # from the dispatcher: the watchdog (diagnosis, departed peers)
 
     def _poll(self):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -142,21 +147,27 @@ class Work:
         return self._result
 
     def _block(self, timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        check = start + DEPARTED_CHECK    # then: has a rank this waits for left its script?
         spins = 0
         while not self._poll():
             spins += 1
             if spins & 255 == 0:
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
                     self._timed_out(timeout)
+                if now > check and self._watch is not None:
+                    check = now + DEPARTED_CHECK
+                    self._watch.work_departed(self._what, now - start)  # reports and ends the job
                 self._idle()
 
     def _idle(self):
         """Between polls: MPI needs polling for progress; GPU work does not."""
 
     def _timed_out(self, timeout):
-        if self._on_timeout is not None:
-            raise self._on_timeout(self._what, timeout)
+        if self._watch is not None:
+            raise self._watch.work_timeout(self._what, timeout)
         name, shape, dtype = self._what[:3]
         raise CollectiveTimeoutError(f"{name} (shape {shape}, dtype {dtype}) did not complete within {timeout:g} s")
 

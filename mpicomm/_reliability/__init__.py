@@ -18,7 +18,7 @@ import sys
 import time
 
 from .._backends.base import complete_dropped
-from ..errors import InvalidArgumentError
+from ..errors import CollectiveTimeoutError, InvalidArgumentError
 from .abort import ExceptHooks, ExitStatus, abort_job, rank_prefix
 from .debug import Checked
 from .flight import FlightRecorder, size_from_env
@@ -83,7 +83,10 @@ class Reliability:
     def _atexit(self):
         status = self.exit.status()
         self.progress.mark_exited(status)
-        complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
+        try:
+            complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers
+        except CollectiveTimeoutError:   # reported where it timed out: the job cannot end cleanly
+            abort_job(self.transports(), code=status or 1)
         if self.ctx.world is not None and self.ctx.world.size > 1:
             self._leave(status)
         self.close(free=False)

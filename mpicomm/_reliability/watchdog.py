@@ -409,6 +409,35 @@ class Watchdog:
                 f"sequence numbers count the collectives on a group from 1)")
         return head + "\n".join(lines) + ("\n" if lines else "") + tail
 
+    def work_departed(self, what, waited):
+        """Work.wait's periodic check: when a rank its call waits for has left its script,
+        report it as for a blocking call (naming the rank and its exit status) and end the
+        job with that status; else return."""
+        if len(what) < 5 or self.fired:
+            return
+        name, shape, dtype = what[:3]
+        desc = _desc(shape, dtype)
+        if isinstance(what[4], tuple):   # a send or recv: ("p2p", code, world peer, tag)
+            _, code, peer, tag = what[4]
+            if peer < 0 or not self._exited([peer]):
+                return
+            with self._lock:
+                if self.fired:
+                    return
+                self.fired = True
+            msg = self.diagnose_p2p(what[3], code, peer, tag, desc, waited, early=True)
+            self._report(msg, True, [peer])
+        else:
+            g, seq = what[3], what[4]
+            if not self._peer_exited(g, seq):
+                return
+            with self._lock:
+                if self.fired:
+                    return
+                self.fired = True
+            msg = self.diagnose(g, seq, name, desc, waited, early=True)
+            self._report(msg, True, g.ranks)
+
     def work_timeout(self, what, timeout):
         """The error Work.wait raises when an async collective has not completed in time."""
         name, shape, dtype = what[:3]
@@ -480,7 +509,6 @@ class InitGuard:
         "transport": "creating the world's transport (under NCCL: ncclCommInitRank, NCCL's own "
                      "bootstrap over the network; every rank has passed the backend agreement just before)",
         "window": "creating the progress window (MPI_Win_allocate on every rank)",
-        "dropped": "completing dropped async work (its peers must take part)",
         "free": "freeing the communicators (under NCCL, ncclCommDestroy waits for the work still queued "
                 "on them, which a stuck peer never completes)",
     }
