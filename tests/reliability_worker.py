@@ -255,6 +255,11 @@ def main():
     elif MODE in ("async_recv_exit", "async_allreduce_exit"):  # rank 1 leaves; the others wait on a Work
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)
+        if GPU and r < 2:   # NCCL connects a pair in its first send/recv's host call: connect first
+            mpicomm.sendrecv(x, 1 - r, out=arr(np.empty(4, np.float32)), src=1 - r)
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
         if r == 1:
             say("leaving")
             sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
