@@ -323,6 +323,16 @@ def main():
         else:
             time.sleep(120)
         say("finished")
+    elif MODE in ("create_other_name", "create_other_ranks"):  # members disagree on create_group's arguments
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        last = n - 1
+        if MODE == "create_other_name":   # the last rank gives the group another name
+            mpicomm.create_group("pair" if r != last else "pair2", list(range(n)))
+        elif r != last:                   # the last rank leaves rank 1 out
+            mpicomm.create_group("pair", list(range(n)))
+        else:
+            mpicomm.create_group("pair", [q for q in range(n) if q != 1])
+        say("finished")
     elif MODE == "sigusr1":  # every rank idles after a call; the test signals mpirun with SIGUSR1
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
         say("ready")

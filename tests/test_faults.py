@@ -592,6 +592,26 @@ def test_member_only_group_creation_is_watched(n, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("mode", ["create_other_name", "create_other_ranks"])
+def test_create_group_with_other_arguments_is_named(n, mode):
+    """The last rank passes create_group another name, or a rank list without rank 1, while
+    the others agree: the report of rank 0 names the last rank and says the members passed
+    different names or rank_ids (not "stuck in the transport")."""
+    p, msg = timed_out(n, mode)
+    last = n - 1
+    assert msg.startswith("rank 0: create_group sequence 1 on group 'pair' (no array) did not complete"), msg
+    assert (f"Rank {last} is creating this group with another name or other rank_ids: every member must "
+            "pass create_group the same name and rank_ids") in msg, msg
+    assert "stuck in the transport" not in msg
+    if mode == "create_other_ranks":
+        assert re.search(rf"^  rank {last} \(rank {last} of the group\): in create_group sequence 1 on group "
+                         rf"'pair' made of other ranks than this rank's \[0, 1, 2(, 3)?\]$", p.stderr, re.M), p.stderr
+    else:
+        assert re.search(rf"^  rank {last} \(rank {last} of the group\): no collective on group 'pair' yet; "
+                         r"inside create_group sequence 1 on group '#\d+' \(a group of another name\)$", p.stderr, re.M), p.stderr
+
+
 @pytest.mark.parametrize("gpu", [CPU, GPU])
 def test_init_is_watched(gpu):
     """Rank 1 comes to init() long after the others: they report, at the timeout, the stage

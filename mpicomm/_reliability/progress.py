@@ -30,12 +30,13 @@ P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 HDR = 8
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
-F = 5
+F = 6
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
 # while they differ. The completion time is stamped by the watchdog, not the hot path.
 # RAISED holds the same for the last call that raised on this rank before or instead of
-# taking part (a local check failed): the peers' diagnosis names it.
-GHASH, ENTERED, DONE, TDONE, RAISED = range(F)
+# taking part (a local check failed): the peers' diagnosis names it. MEMBERS is a hash of
+# the group's world ranks as this rank was given them (create_group's rank_ids).
+GHASH, ENTERED, DONE, TDONE, RAISED, MEMBERS = range(F)
 WORDS = HDR + ROWS * F
 # the dispatcher writes a row's words by their offset from ENTERED: DONE + 1, RAISED + 3
 assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
@@ -44,6 +45,11 @@ READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 def ghash(name):
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def members_hash(ranks):
+    """The MEMBERS word of a group of these world ranks."""
+    return zlib.crc32(",".join(map(str, ranks)).encode()) & 0x7FFFFFFF
 
 
 def p2p_word(count, code, peer):
@@ -99,6 +105,7 @@ class Progress:
         m = self.m
         m[b + ENTERED] = m[b + DONE] = m[b + RAISED] = 0
         m[b + GHASH] = ghash(g.name)
+        m[b + MEMBERS] = members_hash(g.ranks)
         self.rows[g] = b + ENTERED
         return b + ENTERED
 

@@ -20,7 +20,7 @@ from .._ops import NAMES, RECV
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
 from .progress import (DONE, DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, READ_WAIT, ROWS,
-                       TDONE, XSTATUS, F, ghash, p2p_fields)
+                       TDONE, XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
 from .stacks import Stacks, stack_path
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
@@ -318,7 +318,9 @@ class Watchdog:
         p = self.progress
         states = p.read_peers(list(g.ranks))
         nowms = int(time.time() * 1000)
-        missing, lines, other, raised, exited, how = [], [], [], [], [], []
+        missing, lines, other, raised, exited, how, apart = [], [], [], [], [], [], []
+        creating = name == "create_group"
+        mh = members_hash(g.ranks)
         for gr, wr in enumerate(g.ranks):
             if wr == p.wrank:
                 continue
@@ -351,6 +353,12 @@ class Watchdog:
                              + (f"in {NAMES.get(word & 15, '?')} sequence {entered}"
                                 if mine[0][ENTERED] != mine[0][DONE] else f"past it, at sequence {entered}"))
                 continue
+            if mine and int(mine[0][MEMBERS]) != mh:   # the same name, other members
+                apart.append(wr)
+                missing.append(wr)
+                lines.append(f"  {where}: in {NAMES.get(word & 15, '?')} sequence {entered} on group "
+                             f"{g.name!r} made of other ranks than this rank's {list(g.ranks)}")
+                continue
             if entered == seq and word & 15 != code:   # the same sequence, another collective
                 other.append(wr)
                 lines.append(f"  {where}: in {NAMES.get(word & 15, '?')} sequence {seq} on group {g.name!r}, "
@@ -371,8 +379,11 @@ class Watchdog:
             if inside:
                 r = inside[0]
                 gname = p.names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
-                now = (f"inside {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {int(r[ENTERED]) >> 4} "
-                       f"on group {gname!r}")
+                cname = NAMES.get(int(r[ENTERED]) & 15, '?')
+                now = f"inside {cname} sequence {int(r[ENTERED]) >> 4} on group {gname!r}"
+                if creating and cname == "create_group" and int(r[GHASH]) != gh:
+                    apart.append(wr)
+                    now += " (a group of another name)"
             else:
                 now = "not in a collective"
             lines.append(f"  {where}: {last}; {now}")
@@ -386,9 +397,12 @@ class Watchdog:
             return (f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}{of} "
                     f"{many if len(rs) > 1 else one}")
 
-        rest = [r for r in missing if r not in raised and r not in exited]
+        rest = [r for r in missing if r not in raised and r not in exited and r not in apart]
         parts = []
         self.lagging = rest + other
+        if apart:
+            parts.append(ranks(apart, "is", "are") + " creating this group with another name or other "
+                         "rank_ids: every member must pass create_group the same name and rank_ids")
         if exited:
             parts.append(ranks(exited, "has", "have") + f" left the script ({', '.join(how)}) without "
                          "reaching this call")
