@@ -143,13 +143,18 @@ class Dispatcher:
 
         A blocking call is published in this rank's progress header (which call, the
         peer's world rank, the group and tag) while it runs, so that the watchdog names
-        a peer that never comes; an async one is published while its host call runs (NCCL
-        connects a pair inside the first send/recv between them, which waits for the peer)
-        and then carries the same facts in its Work, whose wait() reports with them."""
+        a peer that never comes; an async one carries the same facts in its Work, whose
+        wait() reports with them."""
         if _DROPPED:
             complete_dropped()
         g = self.group
         wpeer = g.ranks[peer] if peer.__class__ is int and 0 <= peer < g.size else -1
+        if async_op:
+            r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
+            if r is not None and hasattr(r, "_what"):
+                r._what = r._what[:3] + (g, ("p2p", code, wpeer, tag))
+                r._watch = self.watch
+            return r
         if wpeer < 0:   # the transport refuses it with the allowed range
             return self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
         m = self.mem
@@ -158,15 +163,6 @@ class Dispatcher:
         m[P2P_GH] = self.gh
         m[P2P_TAG] = tag if tag.__class__ is int else 0
         w = m[P2P] = p2p_word(n, code, wpeer)
-        if async_op:
-            try:
-                r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
-            finally:
-                m[P2P] = 0
-            if r is not None and hasattr(r, "_what"):
-                r._what = r._what[:3] + (g, ("p2p", code, wpeer, tag))
-                r._watch = self.watch
-            return r
         gpu = False
         try:
             r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)

@@ -14,6 +14,17 @@ MODE = sys.argv[1]
 GPU = "--gpu" in sys.argv
 
 
+def connect_pair(mpicomm, x, r):
+    """NCCL connects a pair at its first send/recv, in the host call, which waits for the
+    peer: ranks 0 and 1 make one matched exchange first, so that a later unmatched call is
+    enqueued and waits on the GPU (or in Work.wait). Nothing to do on MPI."""
+    if GPU and r < 2:
+        mpicomm.sendrecv(x, 1 - r, out=arr(np.empty(4, np.float32)), src=1 - r)
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
 def rank_of_world():
     from mpi4py import MPI
 
@@ -221,14 +232,7 @@ def main():
     elif MODE in ("recv_nosend", "send_norecv", "recv_exit"):  # rank 0's recv/send; rank 1 never matches it
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)
-        if GPU and r < 2:
-            # NCCL connects a pair at its first send/recv, in the host call, which waits for the
-            # peer: one matched exchange first, so that the unmatched call below is enqueued and
-            # waits on the GPU
-            mpicomm.sendrecv(x, 1 - r, out=arr(np.empty(4, np.float32)), src=1 - r)
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
+        connect_pair(mpicomm, x, r)
         if r == 0:
             if MODE == "send_norecv" and GPU:  # GPU_SEND_COUNT: larger than NCCL can stage
                 import cupy
@@ -255,11 +259,7 @@ def main():
     elif MODE in ("async_recv_exit", "async_allreduce_exit"):  # rank 1 leaves; the others wait on a Work
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)
-        if GPU and r < 2:   # NCCL connects a pair in its first send/recv's host call: connect first
-            mpicomm.sendrecv(x, 1 - r, out=arr(np.empty(4, np.float32)), src=1 - r)
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
+        connect_pair(mpicomm, x, r)
         if r == 1:
             say("leaving")
             sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
