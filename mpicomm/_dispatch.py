@@ -48,16 +48,22 @@ def mpi_error(e, name, seq, group):
     return CommunicationError(f"{where} failed in MPI: {e}")
 
 
+KNOWN_CALLS = 256  # prepared calls kept per group (they hold no arrays: checks and a bound NCCL/MPI call)
+
+
 class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
-                 "p2p_n", "p2p_what", "p2p_ev", "batch")
+                 "p2p_n", "p2p_what", "p2p_ev", "batch", "known")
 
     def __init__(self, group, transport, mem, row, watch=None):
         self.group = group
         self.transport = transport     # the group's transport (or the debug wrapper around it)
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
+        # every reusable prepared call by signature (up to KNOWN_CALLS): a loop over many
+        # shapes (one all_reduce per gradient, a reducer's buckets) prepares each shape once
+        self.known = {}
         self.mem = mem                 # this rank's progress words (int64 memoryview)
         self.row = row                 # index of the group's "entered" word; "done" follows it
         self.seq = 0                   # collectives issued on the group so far
@@ -73,10 +79,18 @@ class Dispatcher:
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
         p = self.last[code]
+        key = None
         if x.__class__ is not p.cls or x.shape != p.shape or x.dtype is not p.dtype \
                 or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
                 or p.role != (0 if out is None else (1 if out is x else 2)):
-            p = None
+            try:
+                key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op,
+                       0 if out is None else (1 if out is x else 2))
+                p = self.known.get(key)
+            except (AttributeError, TypeError):   # no shape, or an unhashable argument
+                key = p = None
+            if p is not None:
+                self.last[code] = p
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -90,6 +104,11 @@ class Dispatcher:
                 # a reusable one (cls not None) is ever matched again
                 p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                     if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
+                if key is not None and p.cls is not None and arg.__class__ is not Sized:
+                    known = self.known
+                    if len(known) >= KNOWN_CALLS:
+                        del known[next(iter(known))]   # the oldest
+                    known[key] = p
             fr = self.fr
             if fr is not None:
                 fr[seq & self.fmask] = (seq, code, p, _now())

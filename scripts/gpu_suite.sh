@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -146,12 +146,20 @@ if want verify; then  # the reducer's benchmark (first, on a quiet machine), its
     done
 fi
 if want reducer; then  # reducer(grads): its GPU tests, then its benchmark twice for each array type
-    step "gpu-reducer-tests-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_fused_reducer.py tests/test_buckets.py \
-        tests/test_gpu_torch.py
+    step "gpu-reducer-tests-np$NGPU" 240 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_fused_reducer.py tests/test_buckets.py \
+        tests/test_gpu_torch.py tests/test_train.py
     grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
     for a in cupy torch cupy torch; do
         step "bench-buckets-$a" 150 "${MPI[@]}" "$NGPU" "${B[@]}" --coll buckets --array "$a" -n 50 -w 5 --rounds 5
         grep -a -E "^ *(buckets|one buffer|per-tensor)" "$LOG" | tail -7 >>"$SUM"
+    done
+fi
+if want ddp; then  # the DDP comparison, 5 rounds, at 4 and 2 GPUs
+    for g in 4 2; do
+        [ "$NGPU" -ge "$g" ] || continue
+        step "bench-ddp-np$g" 240 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds 5 --json "$RES/bench_ddp_np$g.json"
+        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
     done
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"

@@ -149,3 +149,53 @@ def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng, sizes):
     CUPY.copy_out(back, [flat[o:o + s] for o, s in zip(offs, sizes)])
     for a, b in zip(arrays, back):
         np.testing.assert_array_equal(a.get(), b.get())
+
+
+def check_direct(xp, to_dev, get, name, mean, low, monkeypatch):
+    """reducer(grads) on NCCL reduces each gradient of 4 MiB or more (``low``: 64 bytes, so
+    that small arrays take the path too) straight from the caller's array into its place
+    in the result, and packs only the smaller ones. The same calls on every rank even where
+    one rank's big gradient is not contiguous (it is copied into place first); the inputs
+    stay as they were; earlier results stay intact."""
+    from mpicomm.training import buckets
+
+    if low:
+        monkeypatch.setattr(buckets, "_DIRECT_MIN_BYTES", 64)
+        shapes = [(6, 5), (5,), (40, 30), (4,), (30, 7), (3,)]
+    else:
+        shapes = [(3,), (1100, 1000), (5, 7), (1024, 1025), (9,)]
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+
+    def host(q, k):
+        g = rank_rng(q, f"{name}-{k}")
+        return [g.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def dev(q, k):
+        out = []
+        for j, h in enumerate(host(q, k)):
+            if h.ndim == 2 and (q + j) % 2:  # on some ranks a transposed (non-contiguous) array
+                out.append(to_dev(np.ascontiguousarray(h.T)).T)
+            else:
+                out.append(to_dev(h))
+        return out
+
+    red = mpicomm.DistributedGradReducer([to_dev(np.zeros(s, np.float32)) for s in shapes], mean=mean)
+    assert any(b.direct for b in red._buckets)
+    g1 = dev(r, 1)
+    before = [get(g).copy() for g in g1]
+    a = red(g1)
+    b = red(dev(r, 2))
+    for k, res in ((1, a), (2, b)):
+        for j, got in enumerate(res):
+            want = sum(host(q, k)[j].astype(np.float64) for q in range(n)) / (n if mean else 1)
+            assert got.shape == shapes[j]
+            np.testing.assert_allclose(get(got), want, rtol=1e-5, atol=1e-5 * n)
+    for g, h in zip(g1, before):
+        np.testing.assert_array_equal(get(g), h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("low", [False, True], ids=["4MiB", "64B"])
+@pytest.mark.parametrize("mean", [False, True])
+def test_big_gradients_reduced_where_they_are_cupy(cupy_nccl, mean, low, monkeypatch, request):
+    check_direct(cupy_nccl, cupy_nccl.asarray, lambda a: a.get(), request.node.name, mean, low, monkeypatch)

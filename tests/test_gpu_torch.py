@@ -84,3 +84,35 @@ def test_reducer_fused_on_cuda_tensors(cuda, mode, cap, dtype):
             torch.testing.assert_close(given[k], mine[k], rtol=0, atol=0)
         else:
             assert out[k] is given[k]
+
+
+@pytest.fixture
+def direct_low(monkeypatch):
+    """Gradients of 64 bytes or more take the direct path (reduced from where autograd or
+    the caller leaves them, not copied into the bucket), so these small models use it."""
+    from mpicomm.training import buckets
+
+    monkeypatch.setattr(buckets, "_DIRECT_MIN_BYTES", 64)
+
+
+@pytest.mark.parametrize("plan", list(tt.PLANS))
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_wrapper_direct_path_cuda(cuda, direct_low, plan, zero_to_none):
+    model = tt.check_equals_one_process(cuda, tt.PLANS[plan], zero_to_none)
+    assert any(b.direct for b in model.reducer._buckets)
+
+
+@pytest.mark.parametrize("check", ["check_buckets_start_during_backward", "check_no_sync", "check_unused"])
+def test_direct_path_cuda(cuda, direct_low, check):
+    getattr(tt, check)(cuda)
+
+
+@pytest.mark.parametrize("low", [False, True], ids=["4MiB", "64B"])
+@pytest.mark.parametrize("mean", [False, True])
+def test_big_gradients_reduced_where_they_are_cuda(cuda, mean, low, monkeypatch, request):
+    from test_fused_reducer import check_direct
+
+    def to_dev(h):
+        return torch.from_numpy(h).to(cuda)
+
+    check_direct(torch, to_dev, lambda a: a.cpu().numpy(), request.node.name, mean, low, monkeypatch)

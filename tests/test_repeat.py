@@ -278,3 +278,33 @@ def test_new_arrays_every_call_in_nccl_in_place_form(comm, op):
         x = o[2 * r + 1:2 * r + 3]
         with pytest.raises(mpicomm.InvalidArgumentError, match="overlap"):
             mpicomm.all_gather(x, out=o[:2 * n])
+
+
+def test_many_signatures_in_turn(comm):
+    """A loop over more signatures than one (a model's gradients, one all_reduce each; a
+    reducer's buckets): every call kept prepared by its signature must still run exactly
+    that signature's call. Shapes, dtypes, ops and out= roles in turn, three rounds, each
+    checked; then a bad out= on a kept signature is still refused on every rank."""
+    r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+    sigs = [(shape, dt, op, role) for shape in (5, (2, 3), (4, 1, 2)) for dt in (np.float64, np.int32)
+            for op in (ReduceOp.SUM, ReduceOp.MAX) for role in ("new", "out", "inplace")]
+    red = {ReduceOp.SUM: np.sum, ReduceOp.MAX: np.max}
+    for rnd in range(3):
+        for k, (shape, dt, op, role) in enumerate(sigs):
+            key = f"sig{k}"
+            x = rank_data(r, key, rnd, shape, dt)
+            want = red[op](np.stack(all_data(key, rnd, shape, dt)), axis=0)
+            if role == "new":
+                got = mpicomm.all_reduce(x, op)
+            elif role == "out":
+                o = np.empty(np.shape(want), dt)
+                got = mpicomm.all_reduce(x, op, out=o)
+                assert got is o
+            else:
+                got = mpicomm.all_reduce(x, op, out=x)
+                assert got is x
+            assert got.shape == np.shape(want) and got.dtype == dt
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(InvalidArgumentError, match=r"out.shape"):
+        mpicomm.all_reduce(rank_data(r, "sig0", 0, 5, np.float64), ReduceOp.SUM, out=np.empty(6))
+    np.testing.assert_array_equal(mpicomm.all_reduce(np.full(5, r + 1.0)), np.full(5, n * (n + 1) / 2))

@@ -4,7 +4,8 @@ mpicomm, with each bucket's all_reduce started during backward.
 How it works: the trainable parameters are bucketed by mpicomm's
 ``DistributedGradReducer`` (reverse registration order, 25 MiB by default, as DDP);
 every parameter's ``.grad`` is a view of its bucket, so backward accumulates straight
-into the buckets; a post-accumulate-grad hook on every parameter marks it ready, and a
+into the buckets (after ``zero_grad(set_to_none=True)``, a gradient of 4 MiB or more is
+reduced on NCCL from the tensor autograd made straight into its bucket, no copy); a post-accumulate-grad hook on every parameter marks it ready, and a
 bucket's all_reduce starts as soon as its last gradient is in, while backward goes on
 with the earlier layers; a callback queued on the autograd engine finishes the
 remaining buckets when backward ends, so ``loss.backward(); opt.step()`` needs nothing
@@ -136,6 +137,9 @@ class DistributedDataParallel(nn.Module):
                 broadcast_parameters(every, root=0, group=group)
         self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
                                               fusion_config=fusion_config, compression=compression, group=group)
+        # big gradients reduced from where autograd leaves them, not copied into the buckets
+        # first (the same calls on every rank: the plan decides them)
+        self.reducer._direct_overlap = True
         self._views = self.reducer.grad_views()
         with torch.no_grad():
             for p, v in zip(self._params, self._views):
@@ -194,10 +198,12 @@ class DistributedDataParallel(nn.Module):
         v = self._views[i]
         g = p.grad
         if g is not v and g.data_ptr() != v.data_ptr():
-            # a new tensor (after zero_grad(set_to_none=True)): into the bucket, once
-            with torch.no_grad():
-                v.copy_(g)
+            # a new tensor (after zero_grad(set_to_none=True)): a big one is reduced from
+            # where it is into the bucket, a small one copied there first
             p.grad = v
+            with torch.no_grad():
+                self.reducer._ready_from(i, g)
+            return
         self.reducer.mark_ready(i)
 
     def _end_backward(self):
