@@ -648,9 +648,7 @@ class DistributedGradReducer:
             off = 0
             b.views = []
             b.layout = []  # (gradient index, offset, size, shape)
-            # bytes per member, for the CuPy copy kernel (CuPy arrays; CUDA tensors on NCCL)
-            b.sizes = (tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else
-                       tuple(sz * dt.itemsize for sz in sizes) if fam is TORCH and b.stream_mode else None)
+            b.sizes = tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else None
             for j, (i, sz) in enumerate(zip(idx, sizes)):
                 b.layout.append((i, off, sz, specs[i][1]))
                 v = fam.view(b.flat, off, sz, specs[i][1])
@@ -737,20 +735,6 @@ class DistributedGradReducer:
                 ok = False
             if not ok:
                 self._check_grad(i, g, f"grads[{i}]")
-
-    def _torch_pointers(self, grads):
-        """_torch_check, and each CUDA tensor's data pointer (None where not contiguous)."""
-        out = [None] * len(grads)
-        for i, (g, sp) in enumerate(zip(grads, self._torch_specs)):
-            try:
-                ok = g.shape == sp[0] and g.dtype is sp[1] and g.get_device() == sp[2]
-            except Exception:  # not a tensor: _check_grad names what it is
-                ok = False
-            if not ok:
-                self._check_grad(i, g, f"grads[{i}]")
-            if g.is_contiguous():
-                out[i] = g.data_ptr()
-        return out
 
     def _check_grads(self, grads):
         if not isinstance(grads, (list, tuple)):
@@ -898,10 +882,7 @@ class DistributedGradReducer:
         if into is not None and self._cupy_specs is not None and listed:
             ptrs = self._cupy_pointers(grads)
         elif self._torch_specs is not None and listed:
-            if into is not None and self._buckets and all(b.stream_mode for b in self._buckets):
-                ptrs = self._torch_pointers(grads)   # CUDA tensors: packed by the CuPy copy kernel
-            else:
-                self._torch_check(grads)
+            self._torch_check(grads)
         else:
             self._check_grads(grads)
         saved = None
@@ -931,17 +912,13 @@ class DistributedGradReducer:
                     given = given[:ns]
                 fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
                 src = None if ptrs is None else [ptrs[i] for i in b.indices[:ns]]
-                if src is not None and None not in src and (b.fam is not TORCH or _on_cupy_device(b.device)):
-                    # the pointers are at hand: one launch, no second pass over the arrays
-                    sizes = b.sizes if ns == len(b.indices) else b.sizes[:ns]
-                    if b.fam is TORCH:   # on PyTorch's current stream
-                        with _torch_stream_for_cupy(b.device):
-                            _multi_copy(CUPY._cp(), src, b.flat.data_ptr(), sizes, True, sizes_key=sizes)
-                    else:
-                        _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
-                elif into_views is not None and b.fam is TORCH:
+                if into_views is not None and b.fam is TORCH:
                     # one multi-tensor copy (_foreach_copy_)
                     TORCH.copy_out(into_views[bi][:ns] if ns < len(b.indices) else into_views[bi], given)
+                elif src is not None and None not in src:
+                    # the pointers are at hand: one launch, no second pass over the arrays
+                    sizes = b.sizes if ns == len(b.indices) else b.sizes[:ns]
+                    _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
                 elif fresh and (len(given) > 1 or into is not None):
                     # a constant number of launches per bucket
                     b.fam.pack(b.flat if ns == len(b.indices) else b.small, given)
@@ -1108,29 +1085,6 @@ class _CupyOn:
     def __exit__(self, *exc):
         self.prev.use()
         return False
-
-
-_external = {}  # PyTorch stream handle -> CuPy ExternalStream
-
-
-def _on_cupy_device(device):
-    """Whether ``device`` ("cuda:N") is CuPy's current device (where its kernels run)."""
-    return CUPY._cp().cuda.runtime.getDevice() == int(device.split(":")[1])
-
-
-def _torch_stream_for_cupy(device):
-    """Make PyTorch's current stream on ``device`` ("cuda:N") CuPy's current stream, so a
-    CuPy kernel is ordered with the tensors' work (restored on exit)."""
-    import torch
-
-    cp = CUPY._cp()
-    h = torch.cuda.current_stream(device).cuda_stream
-    ext = _external.get(h)
-    if ext is None:
-        if len(_external) >= 64:
-            _external.clear()
-        ext = _external[h] = cp.cuda.ExternalStream(h, int(device.split(":")[1]))
-    return _CupyOn(cp, ext)
 
 
 class _NullCtx:
