@@ -313,13 +313,14 @@ _tables = {}       # (srcs, dsts, sizes) -> (device table, chunks); a few, the m
 _TABLES_KEPT = 64
 
 
-def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None):
+def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None, stream=None):
     """Copy many contiguous device buffers in one kernel launch on the current stream.
 
     gather=True: ``a`` are source pointers, ``b`` the destination base (packed one after
     the other); gather=False: ``a`` destination and ``b`` source pointers. The pointer
     table goes to the device once per set of pointers and is then reused (a step that
     hands the same gradient arrays, or a few sets of them in turn, uploads nothing).
+    ``stream``: a CuPy stream to run on instead of the current one.
     """
     key = (gather, tuple(a), b if gather else tuple(b), sizes_key if sizes_key is not None else tuple(nbytes))
     hit = _tables.get(key)
@@ -337,7 +338,11 @@ def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None):
         off = ((np.arange(int(per.sum())) - np.repeat(first, per)) * _CHUNK).astype(np.uint64)
         n = np.minimum(sizes[idx] - off, np.uint64(_CHUNK))
         tab = np.stack([src[idx] + off, dst[idx] + off, n], axis=1).astype(np.uint64)
-        hit = (cp.asarray(tab.ravel()), len(tab), dev)
+        if stream is None:
+            hit = (cp.asarray(tab.ravel()), len(tab), dev)
+        else:
+            with _CupyOn(cp, stream):   # uploaded in the order of the stream that reads it
+                hit = (cp.asarray(tab.ravel()), len(tab), dev)
         if len(_tables) >= _TABLES_KEPT:
             _tables.pop(next(iter(_tables)))
         _tables[key] = hit
@@ -345,7 +350,11 @@ def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None):
     if k is None:
         k = _kernels[dev] = cp.RawKernel(_COPY_SRC, "mpicomm_multi_copy")
     if hit[1]:
-        k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
+        if stream is None:
+            k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
+        else:
+            with _CupyOn(cp, stream):   # (a RawKernel runs on the current stream)
+                k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
 
 
 NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()
@@ -489,7 +498,7 @@ def _refcounts(slot):
         held = _torch_use_count(flat.untyped_storage()._cdata)
     else:
         held = sys.getrefcount(flat.data.mem)  # CuPy: the allocation itself
-    return (sys.getrefcount(flat), held, tuple(sys.getrefcount(v) for v in views))
+    return (sys.getrefcount(flat), held, tuple(map(sys.getrefcount, views)))
 
 
 def _torch_storage_use_count():
@@ -590,6 +599,7 @@ class DistributedGradReducer:
             tsize = TORCH._t().Size
             self._torch_specs = [(tsize(sh), dt, int(dev.split(":")[1]) if ":" in dev else
                                   (-1 if dev == "cpu" else None)) for _, sh, dt, dev, _ in specs]
+            self._torch_lists = tuple(list(c) for c in zip(*self._torch_specs))
         self._plan = plan
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
         # mpicomm.torch.DistributedDataParallel, whose every rank takes the same path
@@ -648,7 +658,9 @@ class DistributedGradReducer:
             off = 0
             b.views = []
             b.layout = []  # (gradient index, offset, size, shape)
-            b.sizes = tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else None
+            # bytes per member, for the CuPy copy kernel (CuPy arrays; CUDA tensors on NCCL)
+            b.sizes = (tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else
+                       tuple(sz * dt.itemsize for sz in sizes) if fam is TORCH and b.stream_mode else None)
             for j, (i, sz) in enumerate(zip(idx, sizes)):
                 b.layout.append((i, off, sz, specs[i][1]))
                 v = fam.view(b.flat, off, sz, specs[i][1])
@@ -726,8 +738,16 @@ class DistributedGradReducer:
         return out
 
     def _torch_check(self, grads):
-        """_check_grads for PyTorch gradients in one pass (about 0.3 us a gradient where
-        _check_grad's full comparison costs several); raises as _check_grad does."""
+        """_check_grads for PyTorch gradients: shapes, dtypes and devices compared list to
+        list (about 0.2 us a gradient where _check_grad's full comparison costs several);
+        on a difference or a non-tensor, _check_grad names it."""
+        sh, dt, dv = self._torch_lists
+        try:
+            if [g.shape for g in grads] == sh and [g.dtype for g in grads] == dt \
+                    and [g.get_device() for g in grads] == dv:
+                return
+        except AttributeError:
+            pass
         for i, (g, sp) in enumerate(zip(grads, self._torch_specs)):
             try:
                 ok = g.shape == sp[0] and g.dtype is sp[1] and g.get_device() == sp[2]
@@ -735,6 +755,11 @@ class DistributedGradReducer:
                 ok = False
             if not ok:
                 self._check_grad(i, g, f"grads[{i}]")
+
+    def _torch_pointers(self, grads):
+        """_torch_check, and each CUDA tensor's data pointer (None where not contiguous)."""
+        self._torch_check(grads)
+        return [g.data_ptr() if g.is_contiguous() else None for g in grads]
 
     def _check_grads(self, grads):
         if not isinstance(grads, (list, tuple)):
@@ -882,7 +907,10 @@ class DistributedGradReducer:
         if into is not None and self._cupy_specs is not None and listed:
             ptrs = self._cupy_pointers(grads)
         elif self._torch_specs is not None and listed:
-            self._torch_check(grads)
+            if into is not None and self._buckets and all(b.stream_mode for b in self._buckets):
+                ptrs = self._torch_pointers(grads)   # CUDA tensors: packed by the CuPy copy kernel
+            else:
+                self._torch_check(grads)
         else:
             self._check_grads(grads)
         saved = None
@@ -912,13 +940,17 @@ class DistributedGradReducer:
                     given = given[:ns]
                 fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
                 src = None if ptrs is None else [ptrs[i] for i in b.indices[:ns]]
-                if into_views is not None and b.fam is TORCH:
-                    # one multi-tensor copy (_foreach_copy_)
-                    TORCH.copy_out(into_views[bi][:ns] if ns < len(b.indices) else into_views[bi], given)
-                elif src is not None and None not in src:
+                if src is not None and None not in src and (b.fam is not TORCH or _on_cupy_device(b.device)):
                     # the pointers are at hand: one launch, no second pass over the arrays
                     sizes = b.sizes if ns == len(b.indices) else b.sizes[:ns]
-                    _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
+                    if b.fam is TORCH:   # on PyTorch's current stream
+                        _multi_copy(CUPY._cp(), src, b.flat.data_ptr(), sizes, True, sizes_key=sizes,
+                                    stream=_torch_stream_for_cupy(b.device))
+                    else:
+                        _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
+                elif into_views is not None and b.fam is TORCH:
+                    # one multi-tensor copy (_foreach_copy_)
+                    TORCH.copy_out(into_views[bi][:ns] if ns < len(b.indices) else into_views[bi], given)
                 elif fresh and (len(given) > 1 or into is not None):
                     # a constant number of launches per bucket
                     b.fam.pack(b.flat if ns == len(b.indices) else b.small, given)
@@ -1085,6 +1117,39 @@ class _CupyOn:
     def __exit__(self, *exc):
         self.prev.use()
         return False
+
+
+_external = {}  # PyTorch stream handle -> CuPy ExternalStream
+
+
+def _on_cupy_device(device):
+    """Whether ``device`` ("cuda:N") is CuPy's current device (where its kernels run)."""
+    return CUPY._cp().cuda.runtime.getDevice() == int(device.split(":")[1])
+
+
+_torch_raw = None   # device index -> PyTorch's current cudaStream_t
+
+
+def _torch_stream_for_cupy(device):
+    """PyTorch's current stream on ``device`` ("cuda:N") for a CuPy kernel launch: None
+    where it is CuPy's current stream already (both default to the device's null stream),
+    else a CuPy ExternalStream of it (kept per handle)."""
+    global _torch_raw
+    if _torch_raw is None:
+        from .._backends.nccl import _torch_raw_stream
+
+        _torch_raw = _torch_raw_stream()
+    cp = CUPY._cp()
+    dev = int(device.split(":")[1])
+    h = _torch_raw(dev)
+    if h == cp.cuda.get_current_stream().ptr:
+        return None
+    ext = _external.get(h)
+    if ext is None:
+        if len(_external) >= 64:
+            _external.clear()
+        ext = _external[h] = cp.cuda.ExternalStream(h, dev)
+    return ext
 
 
 class _NullCtx:
