@@ -151,7 +151,7 @@ def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng, sizes):
         np.testing.assert_array_equal(a.get(), b.get())
 
 
-def check_direct(xp, to_dev, get, name, mean, low, monkeypatch):
+def check_direct(xp, to_dev, get, name, mean, low, monkeypatch, mode="call"):
     """reducer(grads) on NCCL reduces each gradient of 4 MiB or more (``low``: 64 bytes, so
     that small arrays take the path too) straight from the caller's array into its place
     in the result, and packs only the smaller ones. The same calls on every rank even where
@@ -181,6 +181,14 @@ def check_direct(xp, to_dev, get, name, mean, low, monkeypatch):
 
     red = mpicomm.DistributedGradReducer([to_dev(np.zeros(s, np.float32)) for s in shapes], mean=mean)
     assert any(b.direct for b in red._buckets)
+    if mode == "reduce_":  # in place (packed and copied back; the calls are the buckets')
+        g = dev(r, 1)
+        out = red.reduce_(g)
+        assert out is g
+        for j, got in enumerate(g):
+            want = sum(host(q, 1)[j].astype(np.float64) for q in range(n)) / (n if mean else 1)
+            np.testing.assert_allclose(get(got), want, rtol=1e-5, atol=1e-5 * n)
+        return
     g1 = dev(r, 1)
     before = [get(g).copy() for g in g1]
     a = red(g1)
@@ -195,7 +203,8 @@ def check_direct(xp, to_dev, get, name, mean, low, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["call", "reduce_"])
 @pytest.mark.parametrize("low", [False, True], ids=["4MiB", "64B"])
 @pytest.mark.parametrize("mean", [False, True])
-def test_big_gradients_reduced_where_they_are_cupy(cupy_nccl, mean, low, monkeypatch, request):
-    check_direct(cupy_nccl, cupy_nccl.asarray, lambda a: a.get(), request.node.name, mean, low, monkeypatch)
+def test_big_gradients_reduced_where_they_are_cupy(cupy_nccl, mean, low, mode, monkeypatch, request):
+    check_direct(cupy_nccl, cupy_nccl.asarray, lambda a: a.get(), request.node.name, mean, low, monkeypatch, mode)

@@ -107,12 +107,13 @@ def test_direct_path_cuda(cuda, direct_low, check):
     getattr(tt, check)(cuda)
 
 
+@pytest.mark.parametrize("mode", ["call", "reduce_"])
 @pytest.mark.parametrize("low", [False, True], ids=["4MiB", "64B"])
 @pytest.mark.parametrize("mean", [False, True])
-def test_big_gradients_reduced_where_they_are_cuda(cuda, mean, low, monkeypatch, request):
+def test_big_gradients_reduced_where_they_are_cuda(cuda, mean, low, mode, monkeypatch, request):
     from test_fused_reducer import check_direct
 
     def to_dev(h):
         return torch.from_numpy(h).to(cuda)
 
-    check_direct(torch, to_dev, lambda a: a.cpu().numpy(), request.node.name, mean, low, monkeypatch)
+    check_direct(torch, to_dev, lambda a: a.cpu().numpy(), request.node.name, mean, low, monkeypatch, mode)

@@ -907,7 +907,8 @@ class DistributedGradReducer:
         if into is not None and self._cupy_specs is not None and listed:
             ptrs = self._cupy_pointers(grads)
         elif self._torch_specs is not None and listed:
-            if into is not None and self._buckets and all(b.stream_mode for b in self._buckets):
+            if (into is not None or grads[0] is not self._views[0]) and self._buckets \
+                    and all(b.stream_mode for b in self._buckets):
                 ptrs = self._torch_pointers(grads)   # CUDA tensors: packed by the CuPy copy kernel
             else:
                 self._torch_check(grads)
@@ -940,7 +941,8 @@ class DistributedGradReducer:
                     given = given[:ns]
                 fresh = into is not None or all(g is not v for g, v in zip(given, b.views))
                 src = None if ptrs is None else [ptrs[i] for i in b.indices[:ns]]
-                if src is not None and None not in src and (b.fam is not TORCH or _on_cupy_device(b.device)):
+                if src is not None and None not in src and fresh \
+                        and (b.fam is not TORCH or _on_cupy_device(b.device)):
                     # the pointers are at hand: one launch, no second pass over the arrays
                     sizes = b.sizes if ns == len(b.indices) else b.sizes[:ns]
                     if b.fam is TORCH:   # on PyTorch's current stream
@@ -1023,9 +1025,18 @@ class DistributedGradReducer:
         """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
         self._run(grads)
         for b in self._buckets:
-            pairs = [(grads[i], v) for i, v in zip(b.indices, b.views) if grads[i] is not v]
-            if pairs:
-                b.fam.copy_out([d for d, _ in pairs], [v for _, v in pairs])
+            pairs = [(grads[i], v, nb) for i, v, nb in zip(b.indices, b.views, b.sizes or b.indices)
+                     if grads[i] is not v]
+            if not pairs:
+                continue
+            if b.fam is TORCH and b.stream_mode and _on_cupy_device(b.device):
+                # CUDA tensors: one launch of the CuPy copy kernel on PyTorch's stream
+                dst = [d.data_ptr() if d.is_contiguous() else None for d, _, _ in pairs]
+                if None not in dst:
+                    _multi_copy(CUPY._cp(), dst, [v.data_ptr() for _, v, _ in pairs], [nb for _, _, nb in pairs],
+                                False, stream=_torch_stream_for_cupy(b.device))
+                    continue
+            b.fam.copy_out([d for d, _, _ in pairs], [v for _, v, _ in pairs])
         return grads
 
     def mark_ready(self, i, grad=None):
