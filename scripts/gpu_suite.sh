@@ -47,6 +47,15 @@ for m in ('sklearn', 'matplotlib', 'ml_dtypes', 'pytest_mpi'):
     except Exception as e: print(m, 'missing', e)"
 } >>"$OUT/gpu_summary.txt" 2>&1
 PYT=("$PY" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi")
+bench_ddp() {  # bench_ddp ROUNDS LIMIT_S: scripts/bench_ddp.py at 4 and 2 GPUs, its tables into the summary
+    local g
+    for g in 4 2; do
+        [ "$NGPU" -ge "$g" ] || continue
+        step "bench-ddp-np$g" "$2" env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds "$1" --json "$RES/bench_ddp_np$g.json"
+        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
+    done
+}
 want() { [ "$#" = 0 ] && return 0; for w in "${SECTIONS[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
 SECTIONS=("${@:-all}")
 
@@ -56,12 +65,7 @@ if want core || want tests; then
 fi
 if want quick; then  # every GPU test file, then the DDP comparison at 4 and 2 GPUs (a short device budget)
     step "gpu-all-tests-np$NGPU" 130 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu*.py
-    for g in 4 2; do
-        [ "$NGPU" -ge "$g" ] || continue
-        step "bench-ddp-np$g" 110 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
-            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds 3 --json "$RES/bench_ddp_np$g.json"
-        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
-    done
+    bench_ddp 3 110
     step "gpu-torch-tests-np$NGPU" 120 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_torch.py tests/test_objects.py tests/test_ported.py
 fi
 if want tests; then
@@ -155,12 +159,7 @@ if want reducer; then  # reducer(grads): its GPU tests, then its benchmark twice
     done
 fi
 if want ddp; then  # the DDP comparison, 5 rounds, at 4 and 2 GPUs
-    for g in 4 2; do
-        [ "$NGPU" -ge "$g" ] || continue
-        step "bench-ddp-np$g" 240 env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
-            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds 5 --json "$RES/bench_ddp_np$g.json"
-        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
-    done
+    bench_ddp 5 240
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"
