@@ -80,17 +80,19 @@ class Dispatcher:
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
         p = self.last[code]
         key = None
+        role = 0 if out is None else (1 if out is x else 2)
         if x.__class__ is not p.cls or x.shape != p.shape or x.dtype is not p.dtype \
                 or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
-                or p.role != (0 if out is None else (1 if out is x else 2)):
-            try:
-                key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op,
-                       0 if out is None else (1 if out is x else 2))
-                p = self.known.get(key)
-            except (AttributeError, TypeError):   # no shape, or an unhashable argument
-                key = p = None
-            if p is not None:
-                self.last[code] = p
+                or p.role != role:
+            p = None
+            if arg.__class__ is not Sized:   # (sized calls are prepared every time)
+                try:
+                    key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role)
+                    p = self.known.get(key)
+                except (AttributeError, TypeError):   # no shape, or an unhashable argument
+                    key = None
+                if p is not None:
+                    self.last[code] = p
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -104,7 +106,7 @@ class Dispatcher:
                 # a reusable one (cls not None) is ever matched again
                 p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                     if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
-                if key is not None and p.cls is not None and arg.__class__ is not Sized:
+                if key is not None and p.cls is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:
                         del known[next(iter(known))]   # the oldest

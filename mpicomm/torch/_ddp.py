@@ -5,8 +5,9 @@ How it works: the trainable parameters are bucketed by mpicomm's
 ``DistributedGradReducer`` (reverse registration order, 25 MiB by default, as DDP);
 every parameter's ``.grad`` is a view of its bucket, so backward accumulates straight
 into the buckets (after ``zero_grad(set_to_none=True)``, a gradient of 4 MiB or more is
-reduced on NCCL from the tensor autograd made straight into its bucket, no copy); a post-accumulate-grad hook on every parameter marks it ready, and a
-bucket's all_reduce starts as soon as its last gradient is in, while backward goes on
+reduced on NCCL from the tensor autograd made straight into its bucket, no copy); a
+post-accumulate-grad hook on every parameter marks it ready, and a bucket's all_reduce
+starts as soon as its last gradient is in, while backward goes on
 with the earlier layers; a callback queued on the autograd engine finishes the
 remaining buckets when backward ends, so ``loss.backward(); opt.step()`` needs nothing
 more.
