@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -47,13 +47,14 @@ for m in ('sklearn', 'matplotlib', 'ml_dtypes', 'pytest_mpi'):
     except Exception as e: print(m, 'missing', e)"
 } >>"$OUT/gpu_summary.txt" 2>&1
 PYT=("$PY" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi")
-bench_ddp() {  # bench_ddp ROUNDS LIMIT_S: scripts/bench_ddp.py at 4 and 2 GPUs, its tables into the summary
-    local g
+bench_ddp() {  # bench_ddp ROUNDS LIMIT_S [ARGS]: scripts/bench_ddp.py at 4 and 2 GPUs, its tables into the summary
+    local g r=$1 limit=$2
+    shift 2
     for g in 4 2; do
         [ "$NGPU" -ge "$g" ] || continue
-        step "bench-ddp-np$g" "$2" env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
-            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds "$1" --json "$RES/bench_ddp_np$g.json"
-        grep -A6 "^# bench_ddp: $g x" "$LOG" | tail -7 >>"$SUM"
+        step "bench-ddp-np$g" "$limit" env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((g - 1)))" "${MPI[@]}" "$g" \
+            -x CUDA_VISIBLE_DEVICES "$PY" scripts/bench_ddp.py --rounds "$r" --json "$RES/bench_ddp_np$g.json" "$@"
+        grep -a -A8 "^# bench_ddp: $g x" "$LOG" | tail -9 >>"$SUM"
     done
 }
 want() { [ "$#" = 0 ] && return 0; for w in "${SECTIONS[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
@@ -66,7 +67,8 @@ fi
 if want quick; then  # every GPU test file, then the DDP comparison at 4 and 2 GPUs (a short device budget)
     step "gpu-all-tests-np$NGPU" 130 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu*.py
     bench_ddp 3 110
-    step "gpu-torch-tests-np$NGPU" 120 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_torch.py tests/test_objects.py tests/test_ported.py
+    step "cpu-torch-tests-np$NGPU" 120 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" \
+        tests/test_torch.py tests/test_objects.py tests/test_ported.py
 fi
 if want tests; then
     step "mpi-tests-rest-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_buckets.py \
@@ -119,8 +121,9 @@ if want bench && "$PY" -c "import mpicomm.tools.bench" 2>/dev/null; then
     done
 fi
 if want torch; then  # mpicomm.torch: CUDA tensors, the DDP comparison at 2 and 4 GPUs, the fused reducer
-    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_torch.py \
+    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py \
         tests/test_fused_reducer.py tests/test_buckets.py
+    step "cpu-torch-tests-np$NGPU" 120 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" tests/test_torch.py
     step "train-torch-np$NGPU" 120 "${MPI[@]}" "$NGPU" "$PY" scripts/train_torch.py --min-accuracy 0.95 --log-every 1000
     for g in 2 4; do
         [ "$NGPU" -ge "$g" ] || continue
@@ -160,6 +163,15 @@ if want reducer; then  # reducer(grads): its GPU tests, then its benchmark twice
 fi
 if want ddp; then  # the DDP comparison, 5 rounds, at 4 and 2 GPUs
     bench_ddp 5 240
+fi
+if want embed; then  # the wrapper's and reducer's GPU tests, its CPU tests on MPI, the DDP comparison with the dense-embedding variant
+    step "gpu-torch-tests-np$NGPU" 300 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_torch.py tests/test_fused_reducer.py \
+        tests/test_buckets.py tests/test_train.py
+    grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
+    step "cpu-torch-tests-np$NGPU" 120 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" tests/test_torch.py
+    grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
+    step "train-torch-np$NGPU" 120 "${MPI[@]}" "$NGPU" "$PY" scripts/train_torch.py --min-accuracy 0.95 --log-every 1000
+    bench_ddp 5 300 --modes none,ddp,mpicomm,mpicomm_dense
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

@@ -341,13 +341,20 @@ def test_reducer_bad_torch_grads(comm):
     """PyTorch gradients are checked in one fast pass; whatever it rejects is named as for
     NumPy: the index, the attribute, the value and the parameter's."""
     torch = pytest.importorskip("torch")
-    params = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, 2)]
+    dev = "cpu"
+    if comm.get_backend() == "nccl":  # CUDA tensors there (CPU ones go to the MPI backend)
+        if not torch.cuda.is_available():
+            pytest.skip("the NCCL backend with a PyTorch that sees no GPU")
+        dev = f"cuda:{torch.cuda.current_device()}"
+    params = [torch.zeros(3, dtype=torch.float64, device=dev), torch.zeros(2, 2, device=dev)]
     red = comm.DistributedGradReducer(params)
-    ok = [torch.ones(3, dtype=torch.float64), torch.ones(2, 2)]
+    ok = [torch.ones(3, dtype=torch.float64, device=dev), torch.ones(2, 2, device=dev)]
     cases = [
-        ([torch.ones(4, dtype=torch.float64), ok[1]], r"grads\[0\].shape=\(4,\).*\(3,\), the shape of parameters\[0\]"),
-        ([ok[0], torch.ones(2, 2, dtype=torch.float64)], r"grads\[1\].dtype='float64'.*float32, the dtype of parameters\[1\]"),
-        ([ok[0], torch.ones(4)], r"grads\[1\].shape=\(4,\).*\(2, 2\)"),
+        ([torch.ones(4, dtype=torch.float64, device=dev), ok[1]],
+         r"grads\[0\].shape=\(4,\).*\(3,\), the shape of parameters\[0\]"),
+        ([ok[0], torch.ones(2, 2, dtype=torch.float64, device=dev)],
+         r"grads\[1\].dtype='float64'.*float32, the dtype of parameters\[1\]"),
+        ([ok[0], torch.ones(4, device=dev)], r"grads\[1\].shape=\(4,\).*\(2, 2\)"),
         ([np.ones(3), ok[1]], r"grads\[0\]='ndarray'.*a torch array like parameters\[0\]"),
         ([None, ok[1]], r"grads\[0\]='NoneType'"),
     ]
@@ -363,9 +370,10 @@ def test_reducer_bad_torch_grads(comm):
         return g.standard_normal(3), g.standard_normal((2, 2)).astype(np.float32)
 
     a, b = mine_of(r)
-    out = red([torch.from_numpy(a), torch.from_numpy(b).t()])  # a transposed (non-contiguous) gradient is fine
-    np.testing.assert_allclose(out[0].numpy(), np.sum([mine_of(q)[0] for q in range(n)], 0), rtol=1e-12)
-    np.testing.assert_allclose(out[1].numpy(), np.sum([mine_of(q)[1] for q in range(n)], 0).T, rtol=1e-5)
+    # a transposed (non-contiguous) gradient is fine
+    out = red([torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev).t()])
+    np.testing.assert_allclose(out[0].cpu().numpy(), np.sum([mine_of(q)[0] for q in range(n)], 0), rtol=1e-12)
+    np.testing.assert_allclose(out[1].cpu().numpy(), np.sum([mine_of(q)[1] for q in range(n)], 0).T, rtol=1e-5)
 
 
 @pytest.mark.mpi(min_size=2)
