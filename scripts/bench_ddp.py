@@ -173,8 +173,9 @@ def make(case, mode, device, args, cap=None):
     model, desc = case.make()
     model = model.to(device)
     cap = args.bucket_cap_mb if cap is None else cap
-    if mode == "mpicomm":
-        model = mt.DistributedDataParallel(model, bucket_cap_mb=cap)
+    if mode in ("mpicomm", "mpicomm_dense"):
+        emb = "all_reduce" if mode == "mpicomm_dense" else "auto"
+        model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, embedding_grads=emb)
     elif mode == "ddp":
         kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, **kw)
@@ -290,13 +291,14 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=1024, help="GPT-2 sequence length (1024)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both wrappers' bucket cap (25)")
-    p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm to time")
+    p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm, mpicomm_dense "
+                   "(mpicomm with embedding_grads='all_reduce': DDP's way for embeddings) to time")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("none", "ddp", "mpicomm")]
+    bad = [m for m in modes if m not in ("none", "ddp", "mpicomm", "mpicomm_dense")]
     if bad or not modes:
-        p.error(f"--modes {args.modes}: expected some of none, ddp, mpicomm")
+        p.error(f"--modes {args.modes}: expected some of none, ddp, mpicomm, mpicomm_dense")
 
     mpicomm.init()
     backend = mt.init_process_group()  # torch.distributed for DDP: nccl on GPUs, gloo on the CPU
@@ -340,13 +342,15 @@ def main(argv=None):
              "rel_param_diff_vs_ddp": worst, "rel_param_diff_ddp_vs_ddp": floor, "rel_param_change": moved,
              "check_ok": ok}
         if "none" in modes:
-            for m in ("ddp", "mpicomm"):
+            for m in ("ddp", "mpicomm", "mpicomm_dense"):
                 if m in modes:
                     r[f"{m}_exposed_ms"] = (med[m] - med["none"]) * 1e3
         if "ddp" in modes and "mpicomm" in modes:
             r["speedup_vs_ddp"] = med["ddp"] / med["mpicomm"]
             if "none" in modes and med["ddp"] > med["none"]:
                 r["exposed_ratio"] = (med["mpicomm"] - med["none"]) / (med["ddp"] - med["none"])
+                if "mpicomm_dense" in modes:
+                    r["dense_exposed_ratio"] = (med["mpicomm_dense"] - med["none"]) / (med["ddp"] - med["none"])
         results["models"][nm] = r
     if rank == 0:
         print(f"# bench_ddp: {where}, torch {torch.__version__}, mpicomm {mpicomm.get_backend()}, DDP {backend}, "
@@ -372,6 +376,11 @@ def main(argv=None):
             print(f"| {nm} | {r['batch_per_rank']} | {cell('none')} | {cell('ddp')} | {cell('mpicomm')} | "
                   f"{'-' if ratio is None else format(ratio, '.2f')} | {'-' if sp is None else format(sp, '.3f')} | "
                   f"{rate['ddp']} | {rate['mpicomm']} | {verdict} |")
+        for nm, r in results["models"].items():
+            if "mpicomm_dense" in r["ms_per_step"]:
+                dr = r.get("dense_exposed_ratio")
+                print(f"# {nm}: mpicomm with embedding_grads='all_reduce' {r['ms_per_step']['mpicomm_dense']:.2f} ms"
+                      + ("" if dr is None else f", exposed {dr:.2f} of DDP's"))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

@@ -117,3 +117,31 @@ def test_big_gradients_reduced_where_they_are_cuda(cuda, mean, low, mode, monkey
         return torch.from_numpy(h).to(cuda)
 
     check_direct(torch, to_dev, lambda a: a.cpu().numpy(), request.node.name, mean, low, monkeypatch, mode)
+
+
+def test_buckets_follow_ready_order_cuda(cuda):
+    tt.check_buckets_follow_ready_order(cuda)
+
+
+@pytest.mark.parametrize("mode", ["auto", "all_gather", "all_reduce"])
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_embedding_grads_cuda(cuda, mode, zero_to_none, monkeypatch):
+    from mpicomm.torch import _embedding
+
+    monkeypatch.setattr(_embedding, "AUTO_MIN_TABLE_BYTES", 0)
+    n = mpicomm.get_group_size()
+    model, seen = tt.check_embedding_grads(cuda, mode, zero_to_none)
+    gather = n > 1 and (mode == "all_gather" or (mode == "auto" and 4 * n * (n + 1) // 2 <= tt.TiedLM.V))
+    assert tt._gathered(seen) == [gather] * 4, seen
+
+
+def test_embedding_grads_with_no_sync_cuda(cuda):
+    n = mpicomm.get_group_size()
+    _, seen = tt.check_embedding_grads(cuda, "all_gather", accumulate=True)
+    assert tt._gathered(seen) == [False, n > 1] * 4, seen
+
+
+def test_embedding_grads_direct_path_cuda(cuda, direct_low):
+    """The tied table's gradient taken from autograd's tensor (direct path), rows gathered."""
+    model, seen = tt.check_embedding_grads(cuda, "all_gather")
+    assert any(b.direct for b in model.reducer._buckets)

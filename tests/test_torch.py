@@ -16,6 +16,15 @@ from mpicomm import InvalidArgumentError  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
+@pytest.fixture(autouse=True)
+def _cpu_tensors_need_mpi(request):
+    """These tests put CPU tensors through mpicomm: the MPI backend's work. Where mpicomm
+    chose NCCL (a GPU machine), run them with MPICOMM_BACKEND=mpi; test_gpu_torch.py runs
+    the same checks on CUDA tensors over NCCL."""
+    if "comm" in request.fixturenames and request.getfixturevalue("comm").get_backend() != "mpi":
+        pytest.skip("CPU tensors need the MPI backend: run with MPICOMM_BACKEND=mpi")
+
+
 GLOBAL_B, K, LR = 24, 4, 0.05  # 24 divides by 1, 2, 3 and 4 ranks
 torch.set_num_threads(1)  # the ranks share two cores
 
@@ -357,6 +366,8 @@ def test_buffers_from_rank_0(comm):
     (dict(gradients_mean=None), r"invalid gradients_mean=None.*expected True or False"),
     (dict(compression="int8"), r"compression='int8'.*None, 'fp16' or 'bf16'"),
     (dict(bucket_cap_mb=-1), r"bucket_cap_mb=-1.*a number of MiB >= 0"),
+    (dict(embedding_grads="sparse"), r"invalid embedding_grads='sparse'.*'auto' \(gather a step's rows "
+     r"when the group's ids are no more than the table's rows\), 'all_gather' or 'all_reduce'"),
 ])
 def test_bad_arguments_raise_on_every_rank(comm, kw, msg):
     module = kw.pop("module", None) or Net(seed=1)
@@ -436,6 +447,196 @@ def test_reducer_on_cpu_tensors(comm, mode, cap):
             torch.testing.assert_close(given[k], mine[k], rtol=0, atol=0)  # left as it was
         else:
             assert out[k] is given[k]
+
+
+# ---------------------------------------------------------------- buckets in ready order
+
+class HeadFirst(torch.nn.Module):
+    """Registers its last layer first: reverse registration order is not backward's order."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = torch.nn.Linear(6, 3).double()
+        self.body = torch.nn.Linear(5, 6).double()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def check_buckets_follow_ready_order(device):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    m = HeadFirst(seed=4).to(device)
+    model = mt.DistributedDataParallel(m, bucket_cap_mb=0)
+    names = model.parameter_names
+    assert names == ["head.weight", "head.bias", "body.weight", "body.bias"]
+    assert model.buckets == [[3], [2], [1], [0]]  # reverse registration: body first
+    seen = []
+    # when backward reaches the body (its output's gradient is computed, its own not yet)
+    m.body.register_forward_hook(lambda mod, a, out: out.register_hook(
+        lambda g: seen.append(model.buckets_started)) and None)
+    ref = HeadFirst(seed=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(77)
+    xs = torch.randn(3, n, 4, 5, generator=g, dtype=torch.float64)
+    for k in range(3):
+        opt.zero_grad()
+        model(xs[k, r].to(device)).square().sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        sum(ref(xs[k, q]).square().sum() for q in range(n)).div(n).backward()
+        ref_opt.step()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+            assert p.grad.data_ptr() == model._views[names.index(nm)].data_ptr()
+    if n == 1:
+        assert model.buckets == [[3], [2], [1], [0]] and seen == [0, 0, 0]
+        return
+    # after the first backward: the head's gradients (ready first) are the first buckets
+    assert sorted(model.buckets[:2]) == [[0], [1]] and sorted(model.buckets[2:]) == [[2], [3]]
+    # first step: the head's buckets waited for the body's; then they start before the body's backward
+    assert seen[0] == 0 and seen[1] >= 2 and seen[2] >= 2, seen
+
+
+def test_buckets_follow_ready_order(comm):
+    check_buckets_follow_ready_order("cpu")
+
+
+def test_plan_buckets_in_a_given_order():
+    from mpicomm.training.buckets import plan_buckets
+
+    nb = [100, 200, 300, 400, 500]
+    assert plan_buckets(nb, bucket_cap_mb=0) == [[4], [3], [2], [1], [0]]
+    assert plan_buckets(nb, bucket_cap_mb=0, order=[0, 4, 2, 1, 3]) == [[0], [4], [2], [1], [3]]
+    cap = 600 / 2 ** 20
+    # greedy in the order: 0+4 fill the cap; 2+1 (500), 3 would pass it; 3 alone
+    assert plan_buckets(nb, bucket_cap_mb=cap, order=[0, 4, 2, 1, 3]) == [[0, 4], [1, 2], [3]]
+    assert plan_buckets(nb, bucket_cap_mb=cap) == [[4], [3], [0, 1, 2]]
+    # a fusion_config's split points stay in registration order
+    assert plan_buckets(nb, fusion_config=[1], order=[0, 1, 2, 3, 4]) == [[0, 1], [2, 3, 4]]
+    for bad in ([0, 1, 2], [0, 1, 2, 3, 3], [0, 1, 2, 3, 5]):
+        with pytest.raises(InvalidArgumentError, match=r"invalid order=.*every gradient index 0..4 once"):
+            plan_buckets(nb, bucket_cap_mb=0, order=bad)
+
+
+# ---------------------------------------------------------------- embedding gradients gathered
+
+class TiedLM(torch.nn.Module):
+    """A tied token table (lookup and output head), a position table and a layer between."""
+
+    V, T, D = 40, 4, 6
+
+    def __init__(self, seed, untied_pos=True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok = torch.nn.Embedding(self.V, self.D, padding_idx=3).double()
+        self.pos = torch.nn.Embedding(self.T, self.D).double()
+        self.mid = torch.nn.Linear(self.D, self.D).double()
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.mid(torch.tanh(h)) @ self.tok.weight.t()
+
+
+@pytest.fixture
+def small_tables(monkeypatch):
+    """embedding_grads="auto" considers tables of any size (4 MiB and up by default)."""
+    from mpicomm.torch import _embedding
+
+    monkeypatch.setattr(_embedding, "AUTO_MIN_TABLE_BYTES", 0)
+
+
+def lm_batch(q, k, device="cpu"):
+    """Rank q's batch of step k: 1 + q sequences (uneven over the ranks), padding ids included."""
+    g = torch.Generator().manual_seed(900 + 17 * q + k)
+    x = torch.randint(0, TiedLM.V, (1 + q, TiedLM.T), generator=g)
+    x[0, 0] = 3
+    return x.to(device), torch.randint(0, TiedLM.V, (1 + q, TiedLM.T), generator=g).to(device)
+
+
+def _lm_loss(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def check_embedding_grads(device, mode, zero_to_none=True, accumulate=False):
+    """The wrapper's gradients equal the mean over ranks of each rank's local gradient
+    (computed here in one process), step after step, in every embedding_grads mode."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    m = TiedLM(seed=21 + r).to(device)
+    model = mt.DistributedDataParallel(m, embedding_grads=mode, bucket_cap_mb=0)
+    seen = []
+    m.tok.register_forward_hook(lambda mod, a, out: seen.append(type(out.grad_fn).__name__))
+    ref = TiedLM(seed=21)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for k in range(4):
+        opt.zero_grad(set_to_none=zero_to_none)
+        ref_opt.zero_grad()
+        if accumulate:  # a micro-batch without synchronisation first
+            with model.no_sync():
+                _lm_loss(model, *lm_batch(r, 10 + k, device)).backward()
+            sum(_lm_loss(ref, *lm_batch(q, 10 + k)) for q in range(n)).div(n).backward()
+        _lm_loss(model, *lm_batch(r, k, device)).backward()
+        sum(_lm_loss(ref, *lm_batch(q, k)) for q in range(n)).div(n).backward()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-10, atol=1e-11, msg=f"step {k} {nm}")
+        assert float(ref.tok.weight.grad[3].abs().max()) > 0  # the head's part of the padding row
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-10, atol=1e-11)
+    return model, [s for s in seen]
+
+
+def _gathered(seen):
+    return ["Cut" in s for s in seen]
+
+
+@pytest.mark.parametrize("mode", ["auto", "all_gather", "all_reduce"])
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_embedding_grads(comm, small_tables, mode, zero_to_none):
+    n = comm.get_group_size()
+    model, seen = check_embedding_grads("cpu", mode, zero_to_none)
+    # auto: the group's ids (4 per sequence, n(n+1)/2 sequences) against the table's 40 rows
+    gather = n > 1 and (mode == "all_gather" or (mode == "auto" and 4 * n * (n + 1) // 2 <= TiedLM.V))
+    assert _gathered(seen) == [gather] * 4, seen
+    # the untied position table got no gradient but its gathered rows: dense from step 2
+    assert model._emb.dense == ({1} if n > 1 and mode == "all_gather" else set())
+    if gather:  # the tied table's bucket (ready at the head, first in backward) goes first
+        assert model.buckets[0] == [model.parameter_names.index("tok.weight")]
+
+
+def test_embedding_grads_with_no_sync(comm):
+    n = comm.get_group_size()
+    model, seen = check_embedding_grads("cpu", "all_gather", accumulate=True)
+    # the no_sync forwards look up densely (local accumulation), the synchronised ones gather
+    assert _gathered(seen) == [False, n > 1] * 4, seen
+
+
+@pytest.mark.parametrize("why", ["many_ids", "small_table"])
+def test_embedding_grads_auto_stays_dense(comm, monkeypatch, why):
+    """More ids in the group than rows in the table, or a table under 4 MiB: auto
+    all-reduces the dense gradient."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    if why == "many_ids":
+        from mpicomm.torch import _embedding
+
+        monkeypatch.setattr(_embedding, "AUTO_MIN_TABLE_BYTES", 0)
+    m = TiedLM(seed=5)
+    model = mt.DistributedDataParallel(m)
+    seen = []
+    m.tok.register_forward_hook(lambda mod, a, out: seen.append(type(out.grad_fn).__name__))
+    rows = 11 if why == "many_ids" else 1  # 44 ids a rank against 40 rows
+    x = torch.randint(0, TiedLM.V, (rows, TiedLM.T), generator=torch.Generator().manual_seed(r))
+    model(x).sum().backward()
+    assert seen == ["EmbeddingBackward0"], seen
+    ref = TiedLM(seed=5)
+    sum(ref(torch.randint(0, TiedLM.V, (rows, TiedLM.T), generator=torch.Generator().manual_seed(q))).sum()
+        for q in range(n)).div(n).backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-11)
+    assert len(model._emb.handles) == (0 if why == "small_table" or n == 1 else 2)  # tok and pos
 
 
 # ---------------------------------------------------------------- frozen and tied parameters

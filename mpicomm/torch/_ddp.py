@@ -10,7 +10,8 @@ post-accumulate-grad hook on every parameter marks it ready, and a bucket's all_
 starts as soon as its last gradient is in, while backward goes on
 with the earlier layers; a callback queued on the autograd engine finishes the
 remaining buckets when backward ends, so ``loss.backward(); opt.step()`` needs nothing
-more.
+more. After the first backward the buckets follow the order the gradients became ready
+in. Embedding lookups may have their gradient rows gathered instead (``_embedding.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .. import _collectives as collectives
 from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, invalid
 from ..training.buckets import TORCH, DistributedGradReducer, broadcast_parameters
+from ._embedding import EmbeddingGather, check_mode
 
 
 def _flag(name, v):
@@ -102,7 +104,19 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers: broadcast rank 0's buffers before every forward that will be
         synchronised (DDP's default).
     fusion_config: MindSpore split points, used instead of bucket_cap_mb.
+    embedding_grads: how an ``nn.Embedding``'s lookup gradient is reduced: "auto"
+        (default) gathers the step's ids and gradient rows from every rank and adds them
+        into the reduced gradient when the table is 4 MiB or more and the group's ids are
+        no more than its rows, else all-reduces the dense table; "all_gather" always
+        gathers; "all_reduce" always all-reduces (DDP's way). The values are the same
+        either way. Deciding costs one host exchange of the ranks' id counts per lookup
+        and step. (Modules with max_norm, scale_grad_by_freq or sparse=True keep
+        autograd's path.)
     group: the mpicomm group to train over (None: the world).
+
+    After the first synchronised backward the buckets are planned again in the order the
+    gradients became ready (rank 0's order on every rank), as DDP rebuilds its buckets;
+    ``buckets`` shows the new plan. A fusion_config is kept as given.
 
     Calls ``mpicomm.init()`` first where mpicomm is not initialised. Raises
     InvalidArgumentError (alike on every rank) for a bad argument or when the ranks'
@@ -111,11 +125,12 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module, device_ids=None, output_device=None, *, bucket_cap_mb=25.0,
                  gradients_mean=True, compression=None, find_unused_parameters=False,
-                 broadcast_buffers=True, fusion_config=None, group=None):
+                 broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise invalid("module", type(module).__name__, "a torch.nn.Module")
         _flag("gradients_mean", gradients_mean)
+        check_mode(embedding_grads)
         self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
         self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
         if not CTX.initialized:
@@ -152,6 +167,11 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True     # False inside no_sync()
         self._sync_step = True        # decided at forward time, as DDP does
         self._in_backward = False
+        self._in_forward = False
+        # the order gradients become ready in, recorded in the first synchronised backward
+        # to re-plan the buckets once (as DDP does); not where a fusion_config fixes them
+        self._order = [] if self.reducer.fusion_config is None and self._size > 1 else None
+        self._emb = EmbeddingGather(self, embedding_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self._params)]
 
@@ -161,7 +181,11 @@ class DistributedDataParallel(nn.Module):
         if (self.broadcast_buffers and self._buffer_sync is not None and self._size > 1
                 and self._sync_enabled and torch.is_grad_enabled()):
             self._buffer_sync()
-        return self.module(*args, **kwargs)
+        self._in_forward = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._in_forward = False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -196,6 +220,8 @@ class DistributedDataParallel(nn.Module):
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._order is not None:
+            self._order.append(i)
         v = self._views[i]
         g = p.grad
         if g is not v and g.data_ptr() != v.data_ptr():
@@ -222,12 +248,38 @@ class DistributedDataParallel(nn.Module):
                 p.grad = v
                 red.mark_ready(i)
         red.wait()
+        gathered = self._emb.finish(self._views, 1.0 / self._size if red.mean else 1.0)
+        if missing and gathered:
+            # gathered embeddings with no other gradient (untied): dense from the next step
+            self._emb.dense.update(i for i in missing if i in gathered)
+            missing = [i for i in missing if i not in gathered]
+        if self._order is not None:
+            self._replan(missing)
         if missing and not self.find_unused_parameters:
             names = [self._names[i] for i in missing]
             raise InvalidArgumentError(
                 f"{len(names)} trainable parameter(s) got no gradient in this backward: "
                 f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}; pass "
                 "find_unused_parameters=True to reduce them as zeros, or set requires_grad=False on them")
+
+    def _replan(self, missing):
+        """Once, after the first synchronised backward: buckets in the order the gradients
+        became ready (rank 0's order on every rank, as DDP), so that a bucket whose
+        gradients come early (a tied embedding's head, layers registered out of use order)
+        is reduced early. Parameters with no gradient go last."""
+        order, self._order = list(dict.fromkeys(self._order)), None
+        seen = set(order)
+        order += [i for i in range(len(self._params) - 1, -1, -1) if i not in seen]
+        order = get_group(self.group).mpi_comm.bcast(order, root=0)
+        if not self.reducer._replan(order):
+            return
+        views = self.reducer.grad_views()
+        with torch.no_grad():
+            for p, v in zip(self._params, views):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+        self._views = views
 
     def __repr__(self):
         return (f"mpicomm.torch.DistributedDataParallel({len(self._params)} parameters in "

@@ -414,25 +414,38 @@ def check_bucket_cap_mb(cap):
     return float(cap)
 
 
-def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
+def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None, order=None):
     """The bucket plan: a list of buckets, each a sorted list of gradient indices.
 
     nbytes: the size of each gradient in bytes, in forward (registration) order.
     keys: what may share a bucket (e.g. (family, dtype, device)); None: all alike.
-    bucket_cap_mb: greedy over the gradients in reverse order, a bucket is closed before
+    bucket_cap_mb: greedy over the gradients in ``order``, a bucket is closed before
         it would pass the cap; a gradient as large as the cap or larger is a bucket of
         its own; 0 gives one bucket per gradient, None one per key.
     fusion_config: MindSpore split points (inclusive end indices, forward order), used
         instead of the cap; indices past the end are ignored with a warning.
+    order: the gradient indices in the order a backward pass makes them ready (every
+        index once); None: reverse registration order, n-1 down to 0. Only the cap uses
+        it: the fusion_config's split points are in registration order.
 
-    Buckets are listed in launch order: the one completed first by a backward pass
-    (the one with the highest first index) first.
+    Buckets are listed in launch order: the one a backward pass completes first (in
+    ``order``) first.
     """
     n = len(nbytes)
     keys = list(keys) if keys is not None else [None] * n
     if len(keys) != n:
         raise invalid("keys", f"{len(keys)} keys", f"one key per gradient ({n})")
     fusion_config = check_fusion_config(fusion_config)
+    if order is None:
+        order = range(n - 1, -1, -1)
+    else:
+        order = list(order)
+        if sorted(order) != list(range(n)):
+            raise invalid("order", f"{order[:10]}{'...' if len(order) > 10 else ''}",
+                          f"every gradient index 0..{n - 1} once")
+    pos = [0] * n
+    for k, i in enumerate(order):
+        pos[i] = k
     buckets = []
     if fusion_config is not None:
         past = [s for s in fusion_config if s >= n]
@@ -450,7 +463,7 @@ def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
         cap = check_bucket_cap_mb(bucket_cap_mb)
         cap = math.inf if cap is None else cap * MIB
         open_ = {}  # key -> [indices, bytes]
-        for i in reversed(range(n)):
+        for i in order:
             k = keys[i]
             cur = open_.get(k)
             if cur is not None and cur[1] + nbytes[i] > cap:
@@ -465,7 +478,7 @@ def plan_buckets(nbytes, keys=None, bucket_cap_mb=25.0, fusion_config=None):
                 del open_[k]
         buckets.extend(c[0] for c in open_.values())
     buckets = [sorted(b) for b in buckets if b]
-    buckets.sort(key=lambda b: -b[0])
+    buckets.sort(key=lambda b: max(pos[i] for i in b))  # (the order's last member completes it)
     return buckets
 
 
@@ -601,6 +614,7 @@ class DistributedGradReducer:
                                   (-1 if dev == "cpu" else None)) for _, sh, dt, dev, _ in specs]
             self._torch_lists = tuple(list(c) for c in zip(*self._torch_specs))
         self._plan = plan
+        self._keys = keys
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
         # mpicomm.torch.DistributedDataParallel, whose every rank takes the same path
         self._direct_overlap = False
@@ -688,6 +702,23 @@ class DistributedGradReducer:
         self._used_sides = []
         self._step_direct = False  # this step reduces big gradients where they are (see _ops)
         self._keep = []            # sources read on a side stream, held until the step ends
+
+    def _replan(self, order):
+        """Re-plan the buckets for gradients that become ready in ``order`` (every index
+        once), as DDP rebuilds its buckets after the first backward; only between steps,
+        and only where the cap made the plan (a fusion_config is kept). The caller passes
+        the same order on every rank. New buffers: grad_views() must be taken again.
+        Returns whether the plan changed."""
+        self._check_idle("re-planning the buckets")
+        if self.fusion_config is not None:
+            return False
+        plan = plan_buckets([s[4] for s in self._specs], self._keys, self.bucket_cap_mb, order=order)
+        if plan == self._plan:
+            return False
+        self._plan = plan
+        self._build(plan, self._specs)
+        self._reset_step()
+        return True
 
     @property
     def buckets(self):
@@ -847,10 +878,15 @@ class DistributedGradReducer:
             b.fam.copy(b.flat, b.wire)
 
     def _side(self, b):
-        key = (b.fam.name, b.device)
+        return self._side_stream(b.fam, b.device)
+
+    def _side_stream(self, fam, device):
+        """The side stream the step's all-reduces run on for (family, device); wait() makes
+        the current stream wait for it."""
+        key = (fam.name, device)
         s = self._sides.get(key)
         if s is None:
-            s = self._sides[key] = b.fam.new_stream(b.device)
+            s = self._sides[key] = fam.new_stream(device)
         if key not in self._used_sides:
             self._used_sides.append(key)
         return s
