@@ -20,6 +20,7 @@ embedding) is reduced as zeros in that first step and keeps the dense path after
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -82,27 +83,25 @@ class _Call:
         ids, rows = ids.contiguous(), rows.contiguous()
         total = sum(self.counts)
         sizes = None if len(set(self.counts)) == 1 else list(self.counts)
-        group = ddp.group
-        if rows.is_cuda and CTX.backend_name == "nccl":
-            side = ddp.reducer._side_stream(TORCH, str(w.device))
+        # NCCL: ordered on the reducer's side stream after its all-reduces; MPI: async, waited in add_into
+        side = ddp.reducer._side_stream(TORCH, str(w.device)) \
+            if rows.is_cuda and CTX.backend_name == "nccl" else None
+        if side is not None:
             TORCH.side_waits_current(side)
-            with TORCH.on(side):
-                self.all_ids = torch.empty(total, dtype=ids.dtype, device=w.device)
-                self.all_rows = torch.empty(total, d, dtype=rows.dtype, device=w.device)
-                collectives.all_gather(ids, out=self.all_ids, group=group, stream=side, sizes=sizes)
-                collectives.all_gather(rows, out=self.all_rows, group=group, stream=side, sizes=sizes)
+        with TORCH.on(side) if side is not None else contextlib.nullcontext():
+            self.all_ids = torch.empty(total, dtype=ids.dtype, device=w.device)
+            self.all_rows = torch.empty(total, d, dtype=rows.dtype, device=w.device)
+            works = [collectives.all_gather(a, out=o, group=ddp.group, async_op=side is None, stream=side,
+                                            sizes=sizes) for a, o in ((ids, self.all_ids), (rows, self.all_rows))]
+        if side is None:
+            self.works = works
+        else:
             ids.record_stream(side)
             rows.record_stream(side)
             # read on the current stream after wait(): not to be reused before that is done
             cur = torch.cuda.current_stream(w.device)
             self.all_ids.record_stream(cur)
             self.all_rows.record_stream(cur)
-        else:
-            self.all_ids = torch.empty(total, dtype=ids.dtype, device=w.device)
-            self.all_rows = torch.empty(total, d, dtype=rows.dtype, device=w.device)
-            self.works = (collectives.all_gather(ids, out=self.all_ids, group=group, async_op=True, sizes=sizes),
-                          collectives.all_gather(rows, out=self.all_rows, group=group, async_op=True,
-                                                 sizes=sizes))
         self.owner.launched.append(self)
 
     def add_into(self, grad, scale):
@@ -119,7 +118,7 @@ class EmbeddingGather:
 
     def __init__(self, ddp, mode):
         self.ddp = ddp
-        self.mode = check_mode(mode)
+        self.mode = mode  # (checked by the wrapper)
         self.launched = []   # _Call objects whose gathers were issued in this backward
         self.dense = set()   # parameter indices kept on the dense path (no other gradient)
         self._anchors = {}
@@ -166,8 +165,3 @@ class EmbeddingGather:
                 c.add_into(grads[c.index], scale)
                 done.add(c.index)
         return done
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []

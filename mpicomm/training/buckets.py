@@ -338,23 +338,20 @@ def _multi_copy(cp, a, b, nbytes, gather, sizes_key=None, stream=None):
         off = ((np.arange(int(per.sum())) - np.repeat(first, per)) * _CHUNK).astype(np.uint64)
         n = np.minimum(sizes[idx] - off, np.uint64(_CHUNK))
         tab = np.stack([src[idx] + off, dst[idx] + off, n], axis=1).astype(np.uint64)
-        if stream is None:
-            hit = (cp.asarray(tab.ravel()), len(tab), dev)
-        else:
-            with _CupyOn(cp, stream):   # uploaded in the order of the stream that reads it
-                hit = (cp.asarray(tab.ravel()), len(tab), dev)
-        if len(_tables) >= _TABLES_KEPT:
-            _tables.pop(next(iter(_tables)))
-        _tables[key] = hit
+    else:
+        tab = None
     k = _kernels.get(dev)
     if k is None:
         k = _kernels[dev] = cp.RawKernel(_COPY_SRC, "mpicomm_multi_copy")
-    if hit[1]:
-        if stream is None:
+    # the table is uploaded, and the kernel runs, on ``stream`` (a RawKernel runs on the current one)
+    with _CupyOn(cp, stream) if stream is not None else _Null:
+        if tab is not None:
+            hit = (cp.asarray(tab.ravel()), len(tab), dev)
+            if len(_tables) >= _TABLES_KEPT:
+                _tables.pop(next(iter(_tables)))
+            _tables[key] = hit
+        if hit[1]:
             k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
-        else:
-            with _CupyOn(cp, stream):   # (a RawKernel runs on the current stream)
-                k((min(hit[1], 65535),), (256,), (hit[0], np.int64(hit[1])))
 
 
 NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()
@@ -981,9 +978,8 @@ class DistributedGradReducer:
                         and (b.fam is not TORCH or _on_cupy_device(b.device)):
                     # the pointers are at hand: one launch, no second pass over the arrays
                     sizes = b.sizes if ns == len(b.indices) else b.sizes[:ns]
-                    if b.fam is TORCH:   # on PyTorch's current stream
-                        _multi_copy(CUPY._cp(), src, b.flat.data_ptr(), sizes, True, sizes_key=sizes,
-                                    stream=_torch_stream_for_cupy(b.device))
+                    if b.fam is TORCH:
+                        _torch_multi_copy(b.device, src, b.flat.data_ptr(), sizes, True, sizes_key=sizes)
                     else:
                         _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
                 elif into_views is not None and b.fam is TORCH:
@@ -1069,8 +1065,8 @@ class DistributedGradReducer:
                 # CUDA tensors: one launch of the CuPy copy kernel on PyTorch's stream
                 dst = [d.data_ptr() if d.is_contiguous() else None for d, _, _ in pairs]
                 if None not in dst:
-                    _multi_copy(CUPY._cp(), dst, [v.data_ptr() for _, v, _ in pairs], [nb for _, _, nb in pairs],
-                                False, stream=_torch_stream_for_cupy(b.device))
+                    _torch_multi_copy(b.device, dst, [v.data_ptr() for _, v, _ in pairs],
+                                      [nb for _, _, nb in pairs], False)
                     continue
             b.fam.copy_out([d for d, _, _ in pairs], [v for _, v, _ in pairs])
         return grads
@@ -1175,6 +1171,11 @@ def _on_cupy_device(device):
 
 
 _torch_raw = None   # device index -> PyTorch's current cudaStream_t
+
+
+def _torch_multi_copy(device, a, b, nbytes, gather, sizes_key=None):
+    """_multi_copy for CUDA tensors' pointers, on PyTorch's current stream of ``device``."""
+    _multi_copy(CUPY._cp(), a, b, nbytes, gather, sizes_key=sizes_key, stream=_torch_stream_for_cupy(device))
 
 
 def _torch_stream_for_cupy(device):
