@@ -10,8 +10,10 @@ post-accumulate-grad hook on every parameter marks it ready, and a bucket's all_
 starts as soon as its last gradient is in, while backward goes on
 with the earlier layers; a callback queued on the autograd engine finishes the
 remaining buckets when backward ends, so ``loss.backward(); opt.step()`` needs nothing
-more. After the first backward the buckets follow the order the gradients became ready
-in. Embedding lookups may have their gradient rows gathered instead (``_embedding.py``).
+more. It is queued wherever a gradient reaches the wrapper first: a parameter's hook, or
+a gathered embedding lookup's backward (where that lookup is the only path to a trainable
+parameter, no hook fires at all). After the first backward the buckets follow the order
+the gradients became ready in. Embedding lookups may have their gradient rows gathered instead (``_embedding.py``).
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ class DistributedDataParallel(nn.Module):
     find_unused_parameters: what happens to a trainable parameter that gets no gradient
         in a step: True reduces it as zeros (its ``.grad`` is then the other ranks'
         average); False (default) finishes the step the same way, so no rank waits, and
-        then raises InvalidArgumentError naming the parameters.
+        then raises InvalidArgumentError naming the parameters. The parameters are those
+        trainable at construction: freeze layers (requires_grad=False) before wrapping.
     broadcast_buffers: broadcast rank 0's buffers before every forward that will be
         synchronised (DDP's default).
     fusion_config: MindSpore split points, used instead of bucket_cap_mb.
@@ -214,12 +217,19 @@ class DistributedDataParallel(nn.Module):
         return self.reducer._next
 
     # ----------------------------------------------------------- backward
-    def _on_grad(self, i, p):
-        if not self._sync_step:
-            return
+    def _queue_end(self):
+        """Make sure the end-of-backward work (every bucket reduced, the gathered embedding
+        rows added, the unused-parameter check) runs when this backward ends: called from
+        every place a gradient reaches the wrapper (a parameter's hook, a gathered lookup's
+        backward), so that none is left out when only one of them fires."""
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, i, p):
+        if not self._sync_step:
+            return
+        self._queue_end()
         if self._order is not None:
             self._order.append(i)
         v = self._views[i]
@@ -256,11 +266,29 @@ class DistributedDataParallel(nn.Module):
         if self._order is not None:
             self._replan(missing)
         if missing and not self.find_unused_parameters:
-            names = [self._names[i] for i in missing]
-            raise InvalidArgumentError(
-                f"{len(names)} trainable parameter(s) got no gradient in this backward: "
-                f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}; pass "
-                "find_unused_parameters=True to reduce them as zeros, or set requires_grad=False on them")
+            raise InvalidArgumentError(self._unused_message(missing))
+
+    def _unused_message(self, missing):
+        """The unused-parameter error, with advice that fits what the user did: parameters
+        frozen (requires_grad=False) after the wrapper was built are still among the ones
+        it reduces, so freezing them is no remedy there; freezing before wrapping is."""
+        def listed(idx):
+            names = [self._names[i] for i in idx]
+            return f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}"
+
+        frozen = [i for i in missing if not self._params[i].requires_grad]
+        live = [i for i in missing if self._params[i].requires_grad]
+        msg = f"{len(missing)} trainable parameter(s) got no gradient in this backward: {listed(missing)}"
+        if live:
+            msg += ("; pass find_unused_parameters=True to reduce them as zeros, or set requires_grad=False on "
+                    f"{listed(live) if frozen else 'them'} before wrapping the model")
+        if frozen:
+            who = listed(frozen) if live else ("it" if len(frozen) == 1 else "they")
+            msg += (f"; {who} {'was' if len(frozen) == 1 else 'were'} frozen (requires_grad=False) after the "
+                    "model was wrapped, but the wrapper reduces every parameter that was trainable when it was "
+                    "built: freeze layers before wrapping the model, or pass find_unused_parameters=True to "
+                    "reduce them as zeros")
+        return msg
 
     def _replan(self, missing):
         """Once, after the first synchronised backward: buckets in the order the gradients

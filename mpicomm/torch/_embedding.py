@@ -13,9 +13,11 @@ is reduced during backward, and only the (smaller) gather is left at the end.
 
 How: a forward hook on the embedding module returns the same values through a function
 that cuts the lookup's edge to the weight and, in backward, gathers the ids and the
-output's gradient (on the reducer's side stream on NCCL, asynchronously on MPI); the
-wrapper adds them into ``weight.grad`` after the step's all-reduces (``index_add_``,
-divided by the group size for a mean). A weight that gets no other gradient (an untied
+output's gradient (on the reducer's side stream on NCCL, asynchronously on MPI), and
+queues the wrapper's end-of-backward callback (no parameter hook may fire in this
+backward: a frozen head, a loss straight from the lookup); that callback adds them into
+``weight.grad`` after the step's all-reduces (``index_add_``, divided by the group size
+for a mean) before backward returns. A weight that gets no other gradient (an untied
 embedding) is reduced as zeros in that first step and keeps the dense path afterwards.
 """
 from __future__ import annotations
@@ -55,8 +57,12 @@ class _Cut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.call.launch(grad)
-        ctx.call = None
+        call = ctx.call  # (kept: a second backward of a retained graph gathers again)
+        # the gathered rows are added (and waited for) by the wrapper's end-of-backward
+        # callback: queued here too, as no parameter hook fires where the lookup is the only
+        # path to a trainable parameter (a frozen head, a loss straight from the lookup)
+        call.owner.ddp._queue_end()
+        call.launch(grad)
         return None, None, None
 
 
