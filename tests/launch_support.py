@@ -23,6 +23,21 @@ spawns_mpirun = pytest.mark.skipif(world_size_from_env() > 1,
                                    reason="spawns its own mpirun; runs in the 1-rank pass")
 
 
+# CI sets MPICOMM_TEST_STRICT=1 (.ci/run installs every prerequisite): there a missing
+# prerequisite fails the test instead of skipping it. On a user's machine (no sshd, no
+# network namespaces) such tests skip, with the reason in pytest's summary.
+STRICT = os.environ.get("MPICOMM_TEST_STRICT", "0") not in ("", "0")
+
+
+def require(why):
+    """In a test body: skip with ``why`` where it is not None (fail under MPICOMM_TEST_STRICT=1)."""
+    if why is None:
+        return
+    if STRICT:
+        pytest.fail(f"prerequisite missing under MPICOMM_TEST_STRICT=1: {why}", pytrace=False)
+    pytest.skip(f"{why} (MPICOMM_TEST_STRICT=1 fails instead)")
+
+
 def clean_mpi_env(extra=None, drop=()):
     """conftest's clean environment, less MPICOMM_* and NCCL_* (except NCCL_NVLS_ENABLE),
     so that forwarding tests see only what they set, and less SLURM_* and PBS_*, so that
