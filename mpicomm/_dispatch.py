@@ -21,11 +21,14 @@ from __future__ import annotations
 import time
 
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
+from ._callspec import REFUSED, PeerSpec, plain_spec, spec_of
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
 from ._reliability.progress import P2P, P2P_GH, P2P_TAG, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
+from ._ops import GATHER as GATHER_, REDUCE as REDUCE_, SCATTER as SCATTER_, BROADCAST
+import numpy as np
 
 _now = time.perf_counter_ns
 
@@ -48,6 +51,7 @@ def mpi_error(e, name, seq, group):
     return CommunicationError(f"{where} failed in MPI: {e}")
 
 
+SPEC_WAIT = 2.0   # s a refusing rank waits for the specs of members that took part (stand-in)
 KNOWN_CALLS = 256  # prepared calls kept per group (they hold no arrays: checks and a bound NCCL/MPI call)
 
 
@@ -55,9 +59,10 @@ class Dispatcher:
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
-                 "p2p_n", "p2p_what", "p2p_ev", "batch", "known")
+                 "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
+                 "check", "rel", "peers", "shr", "shb", "slots", "raised", "resync")
 
-    def __init__(self, group, transport, mem, row, watch=None):
+    def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True):
         self.group = group
         self.transport = transport     # the group's transport (or the debug wrapper around it)
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
@@ -75,6 +80,15 @@ class Dispatcher:
         self.p2p_n = 0                 # blocking send/recv calls so far (tells two equal ones apart)
         self.p2p_what = None           # (shape, dtype, peer, tag) of the send/recv in progress
         self.p2p_ev = None             # NCCL: (P2P word, CUDA event after it) until the GPU has done it
+        # the agreement check (mpicomm._reliability.agreement)
+        self.check = check and rel is not None
+        self.rel = rel                 # the Reliability: progress window, host rings, resync
+        self.peers = ()                # (ring segment, base, group rank) of the host neighbours
+        self.shr = None                # this rank's host-shared ring segment, or None
+        self.shb = 0                   # its base for this group
+        self.slots = None              # every member's row index in its progress window
+        self.raised = 0                # the last sequence number a disagreement was raised for
+        self.resync = False            # a fresh communicator is due at the next call (MPI)
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -99,33 +113,290 @@ class Dispatcher:
         v = seq << 4 | code
         m = self.mem
         b = self.row
+        if m[b + 5]:     # POISON: a peer's report, or this rank's own resync due
+            self.poisoned(seq, code)
         m[b] = v
+        k = seq & 7
         try:
             if p is None:
                 # the entry stays the call in progress (the watchdog describes it); only
                 # a reusable one (cls not None) is ever matched again
                 p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                     if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
+                sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)
+                p.sig = sp.sig
                 if key is not None and p.cls is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:
                         del known[next(iter(known))]   # the oldest
                     known[key] = p
+            w = seq << 32 | p.sig
+            m[b + 14 + k] = w        # RING (mpicomm._reliability.progress)
+            sh = self.shr
+            if sh is not None:
+                sh[self.shb + k] = w
             fr = self.fr
             if fr is not None:
                 fr[seq & self.fmask] = (seq, code, p, _now())
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
-            m[b + 1] = v
             m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
-                raise mpi_error(e, NAMES[code], seq, self.group.name) from e
+                m[b + 1] = v
+                err = mpi_error(e, NAMES[code], seq, self.group.name)
+                if isinstance(err, CollectiveMismatchError) and self.check:
+                    self.disagree(seq, code, None, err)
+                raise err from e
+            if self.check and isinstance(e, Exception) and not isinstance(e, CommunicationError) \
+                    and self.group.size > 1:
+                self.refuse(seq, code, e, None)   # raises
+            m[b + 1] = v
             raise
+        if m[b + 5]:     # a peer's report arrived during the call
+            self.poisoned_after(seq, code)
+        for pm, pb, j in self.peers:   # the host neighbours' calls of this sequence number
+            pw = pm[pb + k]
+            if pw != w and pw >> 32 == seq:
+                m[b + 1] = v
+                self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
         m[b + 1] = v
         if async_op:
             r._what = r._what[:3] + (self.group, seq)
             r._watch = self.watch
         return r
+
+    # ------------------------------------------------------ the agreement check
+    def _me(self):
+        g = self.group
+        return f"rank {g.ranks[g.rank]}" + (f" (rank {g.rank} of group {g.name!r})" if g.ranks != tuple(range(len(g.ranks))) or g.name != "world" else "")
+
+    def spec_for(self, seq):
+        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call)."""
+        fr = self.fr
+        if fr is not None:
+            e = fr[seq & self.fmask]
+            if e is not None and e[0] == seq:
+                return getattr(e[2], "spec", None) if e[2] is not None else plain_spec(e[1])
+        e = self.mem[self.row]
+        if e >> 4 == seq:
+            p = self.last[e & 15]
+            if p is not NEVER:
+                return getattr(p, "spec", None) or plain_spec(e & 15)
+        return None
+
+    def _members(self):
+        """{group rank: world rank} of the other members."""
+        g = self.group
+        return {j: wr for j, wr in enumerate(g.ranks) if j != g.rank}
+
+    def _tell(self, seq, text):
+        """Publish report ``text`` and POISON every other member's row with it."""
+        from ._reliability.agreement import poison_index, poison_word
+
+        rel = self.rel
+        rel.progress.set_reason(text)
+        me = self.group.ranks[self.group.rank]
+        if self.slots is None:
+            return
+        for j, wr in self._members().items():
+            rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
+
+    def _after(self, seq, entered):
+        """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
+        (MPI) when any rank entered it."""
+        from ._reliability.agreement import poison_word
+
+        self.raised = max(self.raised, seq)
+        if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
+            self.resync = True
+            self.mem[self.row + 5] = poison_word(seq, self.group.ranks[self.group.rank])
+
+    def disagree(self, seq, code, peer, err):
+        """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
+        ``err``): raise CollectiveMismatchError naming both calls, and tell every member."""
+        from ._reliability.agreement import publish_spec, read_row, spec_words, wait_rows
+
+        g = self.group
+        mine = self.spec_for(seq)
+        name = NAMES.get(code, "?")
+        if mine is not None:
+            publish_spec(self.mem, self.row, seq, mine)
+        calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
+        if peer is not None and self.slots is not None:
+            wr = g.ranks[peer]
+            rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
+                             lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
+                             timeout=1.0)
+            sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
+            other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
+            what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
+            calls.append(f"rank {wr}: {other}{what}")
+        elif err is not None:
+            calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
+        text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
+                + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
+                "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
+        self._tell(seq, text)
+        self.rel.progress.set_decision(True)
+        self._after(seq, True)
+        raise CollectiveMismatchError(text)
+
+    def refuse(self, seq, code, e, reason):
+        """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
+        ``reason`` came first): publish the refusal, wait until every member has refused
+        or entered, stand in for the call where members wait inside it, then raise."""
+        from ._reliability.agreement import ring_word, pending, spec_words, wait_rows
+
+        from ._callspec import REFUSED as _R
+
+        g = self.group
+        m, b = self.mem, self.row
+        w = seq << 32 | _R
+        m[b + 14 + (seq & 7)] = w
+        if self.shr is not None:
+            self.shr[self.shb + (seq & 7)] = w
+        name = NAMES.get(code, "?")
+        if e is not None:
+            text = f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
+            self._tell(seq, text)
+        members = self._members()
+        if self.slots is None:
+            self._after(seq, False)
+            m[b + 1] = m[b]
+            raise e if e is not None else CollectiveMismatchError(reason)
+        nccl = hasattr(self.plain(), "nccl")
+
+        t0 = time.monotonic()
+
+        def decided(rows):
+            late = time.monotonic() - t0 > SPEC_WAIT
+            for j, row in rows.items():
+                if row is None:
+                    continue      # no answer: taken as gone
+                _, st = ring_word(row, seq)
+                if st == "behind":
+                    return False
+                if st in ("entered", "ahead") and spec_words(row, seq) is None and not late:
+                    return False   # it took part: its spec is needed for the stand-in
+            return True
+
+        rows = wait_rows(self.rel.progress, members, self.slots, decided)
+        states = {j: (ring_word(r, seq)[1] if r is not None else "gone") for j, r in rows.items()}
+        entered = [j for j, st in states.items() if st in ("entered", "ahead")]
+        specs = [spec_words(rows[j], seq) for j in entered]
+        specs = [PeerSpec(w) for w in specs if w is not None]
+        stood = False
+        try:
+            if specs and not specs[0].sized:
+                self._stand_in(code, specs[0])
+                stood = True
+        finally:
+            m[b + 1] = m[b]
+            self._after(seq, bool(entered) and not stood)
+            if e is not None:
+                self.rel.progress.set_decision(bool(entered) and not stood)
+        if e is not None:
+            raise e
+        raise _peer_error(reason)
+
+    def _stand_in(self, code, spec):
+        """Take part in call ``code`` as ``spec`` describes it, with scratch arrays (the result
+        is dropped): the members waiting inside it complete."""
+        from ._reliability.agreement import dtype_of
+
+        if spec.sized or spec.code != code and spec.code == 0:
+            return
+        g = self.group
+        n, me = g.size, g.rank
+        dt = dtype_of(spec.dtype)
+        c = spec.count
+        code = spec.code
+        root = spec.root
+        t = self.plain()
+        gpu = hasattr(t, "nccl")
+        if gpu:
+            import cupy as xp
+        else:
+            xp = np
+        arg = spec.op
+        if code == BROADCAST:
+            arg = root
+        elif code in (GATHER_, SCATTER_):
+            arg = Sized((root, None, None))
+        elif code == REDUCE_:
+            arg = (spec.op, root)
+        elif code == BARRIER:
+            t.barrier(False)
+            return
+        count = c * n if (code == SCATTER_ and me == root) else c
+        x = xp.zeros(count, dt)
+        out = None
+        if code == SCATTER_ and me != root:
+            out = x
+        if arg.__class__ is Sized:
+            pc = t.prepare_sized(code, x, out, arg, False, None)
+        else:
+            pc = t.prepare(code, x, out, arg, False, None)
+        pc.run(x, out)
+        if gpu:
+            xp.cuda.get_current_stream().synchronize()
+
+    def poisoned(self, seq, code):
+        """Before call ``seq``: a member's report (POISON) or this rank's resync is due."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        word = m[b + 5]
+        k, who = poison_fields(word)
+        me = self.group.ranks[self.group.rank]
+        if who == me or k <= self.raised:
+            if m[b + 5] == word:
+                m[b + 5] = 0
+            if self.resync:
+                self.resync = False
+                self.rel.resync(self.group)
+            return
+        if k > seq:      # a member is ahead: this rank refuses that call when it gets there
+            return
+        if m[b + 5] == word:
+            m[b + 5] = 0
+        if k == seq:     # before taking part: refuse it too
+            reason = self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
+            m[b] = seq << 4 | code
+            self.refuse(seq, code, None, reason)
+        # k < seq: this rank's call k is over (it returned): the report is about it; the
+        # reporter decides (after a stand-in, if any) whether the group needs a fresh start
+        self.seq = seq - 1
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+        self._after(k, True if resync is None else resync)
+        raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
+
+    def told(self, seq, j):
+        """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
+        (once it has decided, after its stand-in, whether the group needs a fresh start)."""
+        who = self.group.ranks[j]
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+        m, b = self.mem, self.row
+        if m[b + 5] and (m[b + 5] >> 24) == seq:
+            m[b + 5] = 0
+        self._after(seq, True if resync is None else resync)
+        raise _peer_error(reason or f"rank {who} refused call {seq}")
+
+    def poisoned_after(self, seq, code):
+        """After call ``seq`` returned: a member's report about it arrived."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        word = m[b + 5]
+        k, who = poison_fields(word)
+        me = self.group.ranks[self.group.rank]
+        if who == me or k <= self.raised or k > seq:
+            return
+        m[b + 5] = 0
+        m[b + 1] = seq << 4 | code
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+        self._after(k, True if resync is None else resync)
+        raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""
@@ -147,7 +418,13 @@ class Dispatcher:
         seq = self.seq = self.seq + 1
         v = seq << 4 | code
         m, b = self.mem, self.row
+        if m[b + 5]:
+            self.poisoned(seq, code)
         m[b] = v
+        w = seq << 32 | plain_spec(code).sig
+        m[b + 14 + (seq & 7)] = w
+        if self.shr is not None:
+            self.shr[self.shb + (seq & 7)] = w
         if self.fr is not None:
             self.fr[seq & self.fmask] = (seq, code, None, _now())
         try:
@@ -156,6 +433,11 @@ class Dispatcher:
             m[b + 1] = v
             m[b + 3] = v
             raise
+        for pm, pb, j in self.peers:
+            pw = pm[pb + (seq & 7)]
+            if pw != w and pw >> 32 == seq:
+                m[b + 1] = v
+                self.disagree(seq, code, j, None)
         m[b + 1] = v
         return r
 
@@ -235,6 +517,16 @@ class Dispatcher:
                 if w is not None and hasattr(w, "wait"):
                     w.wait()
         return works
+
+
+def _peer_error(reason):
+    """The error for a member's report: a refusal for an invalid argument is also an
+    InvalidArgumentError (the call was invalid, on that rank)."""
+    from .errors import RefusedElsewhereError
+
+    if " refused " in reason and ": InvalidArgumentError: " in reason:
+        return RefusedElsewhereError(reason)
+    return CollectiveMismatchError(reason)
 
 
 def _gpu_event(d, word, x, stream):

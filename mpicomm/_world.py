@@ -5,7 +5,7 @@ import os
 
 from . import _state
 from ._backends import get_backend_class, names as backend_names
-from ._backends.base import Work, complete_dropped
+from ._backends.base import Work, complete_dropped, complete_pending
 from ._dispatch import Dispatcher
 from ._mpi import load as load_mpi
 from ._ops import CREATE_GROUP, DESTROY_GROUP
@@ -27,11 +27,15 @@ def _pick_backend(backend):
     if backend is None:
         return "nccl" if gpu_count() > 0 else "mpi"
     if not isinstance(backend, str) or backend.lower() not in backend_names():
-        get_backend_class(backend)  # raises, listing the names
+        if isinstance(backend, str) and backend.lower() == "mccl":   # MindSpore's CPU collectives
+            raise invalid("backend", backend, "one of " + ", ".join(repr(n) for n in backend_names())
+                          + " or None; MCCL is MindSpore's CPU collective library: mpicomm runs on CPUs "
+                          "with 'mpi' (and on NVIDIA GPUs with 'nccl')")
+        get_backend_class(backend)  # raises, listing the names (and what to use for "hccl")
     return backend.lower()
 
 
-def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
+def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, check=None):
     """Initialise mpicomm: MPI, the world group and the backend.
 
     backend: "mpi", "nccl" or None (NCCL where CuPy sees a GPU, else MPI; the
@@ -40,6 +44,8 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
         MPICOMM_TIMEOUT, else 600); 0 disables the watchdog.
     debug: compare every collective's arguments across ranks first (MPICOMM_DEBUG=1).
     abort_on_exception: an uncaught exception on any rank aborts the whole job.
+    check: the agreement check of every call's signature across ranks (default
+        MPICOMM_CHECK, else off for now; docs/RELIABILITY.md says what it catches).
 
     Under NCCL, selects GPU ``local_rank % device_count`` before creating the
     communicator. Calling init again with the same arguments does nothing; with
@@ -55,14 +61,19 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
         raise invalid("timeout", timeout, "a number of seconds >= 0 (0 disables the timeout)")
     if debug is None:
         debug = env_bool("MPICOMM_DEBUG", False)
+    if check is None:
+        check = env_bool("MPICOMM_CHECK", False)
+    if not isinstance(check, bool):
+        raise invalid("check", check, "True or False")
     name = _pick_backend(backend)
-    key = (name, float(timeout), bool(debug), bool(abort_on_exception))
+    key = (name, float(timeout), bool(debug), bool(abort_on_exception), check)
     if CTX.initialized:
         if key == CTX.init_key:
             return
-        raise invalid("init arguments", dict(zip(("backend", "timeout", "debug", "abort_on_exception"), key)),
+        names = ("backend", "timeout", "debug", "abort_on_exception", "check")
+        raise invalid("init arguments", dict(zip(names, key)),
                       "the same arguments as the first call "
-                      f"{dict(zip(('backend', 'timeout', 'debug', 'abort_on_exception'), CTX.init_key))} "
+                      f"{dict(zip(names, CTX.init_key))} "
                       "(call finalize() first to change them)")
     MPI = load_mpi()  # here, not at import: importing mpicomm must not start MPI
 
@@ -70,12 +81,12 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True):
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     guard = InitGuard(float(timeout), MPI.COMM_WORLD.Get_rank())   # until the watchdog takes over
     try:
-        _init(MPI, name, timeout, debug, abort_on_exception, key, guard)
+        _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check)
     finally:
         guard.done()
 
 
-def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
+def _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check=True):
     world = MPI.COMM_WORLD.Dup()  # the library owns its communicator
     lcomm = local_comm(world)
     CTX.local_comm = lcomm
@@ -83,6 +94,7 @@ def _init(MPI, name, timeout, debug, abort_on_exception, key, guard):
     CTX.local_size = lcomm.Get_size()
     CTX.timeout = float(timeout)
     CTX.debug = bool(debug)
+    CTX.check = bool(check)
     CTX.abort_on_exception = bool(abort_on_exception)
     # every rank must pick the same backend, or the first collective would hang
     guard.set("agree")
@@ -129,17 +141,25 @@ def _attach(ctx, g):
     A group still being created (no transport yet) gets its transport later (_connect)."""
     rel = ctx.reliability
     t = rel.wrap(g.transport, g) if g.transport is not None else None
-    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog)
+    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog, rel=rel, check=ctx.check)
     g.call = g.disp.call
+    if g.mpi_comm is not None:
+        rel.attach(g)
 
 
 def finalize():
-    """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py)."""
+    """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py).
+
+    Async work not yet completed (dropped Works, and async sends and receives still held
+    unwaited) is completed first, each within its timeout; one that cannot complete raises
+    (CollectiveTimeoutError naming the call and its peer) instead of being left behind."""
     if not CTX.initialized:
         return
     # dropped async work still writes into its buffers: finish it first (each Work is
-    # watched by its own timeout, which names its peers)
+    # watched by its own timeout, which names its peers); then the async sends and
+    # receives still held but never waited for
     complete_dropped()
+    complete_pending("finalize()")
     # watched by a timer (the watchdog stops below): a stage past the timeout is reported
     guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "free")
     try:
@@ -297,6 +317,7 @@ def _connect(ctx, g):
     g.mpi_comm = sub
     g.transport = ctx.backend.make_transport(sub)
     g.disp.transport = ctx.reliability.wrap(g.transport, g)
+    ctx.reliability.attach(g)
 
 
 def destroy_group(group):

@@ -34,6 +34,11 @@ class CollectiveMismatchError(CommunicationError):
     """Ranks called different collectives (or the same one with different arguments)."""
 
 
+class RefusedElsewhereError(CollectiveMismatchError, InvalidArgumentError):
+    """Another rank of the group refused the call for an invalid argument (the message names
+    the rank and its reason); this rank did not complete it either."""
+
+
 def invalid(name, value, allowed, rank=None):
     """Build an :class:`InvalidArgumentError` naming argument, value and what is allowed."""
     where = f" (rank {rank})" if rank is not None else ""

@@ -25,11 +25,14 @@ from mpicomm's state, dispatch or reliability modules.
 """
 from __future__ import annotations
 
+import numbers
+import sys
 import time
 import warnings
+import weakref
 
 from .._ops import NAMES
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, MpicommError, invalid
 
 # Seconds between a waiting Work's checks (through the watchdog the dispatcher hands it)
 # whether a rank the call waits for has left its script; the watchdog's EXIT_CHECK for
@@ -56,6 +59,59 @@ def complete_dropped():
         _dropped.pop(0).wait()
 
 
+# Works of async sends and receives (send/recv/sendrecv with async_op=True) that the caller
+# may still hold, weakly (one dropped unwaited goes to _dropped): finalize completes those
+# still pending, so that one that can never complete is reported, not left behind silently.
+_pending = weakref.WeakSet()
+
+
+def track(w):
+    """Remember async send/recv Work ``w`` for :func:`complete_pending`; returns ``w``."""
+    if isinstance(w, Work) and not w._done:
+        _pending.add(w)
+    return w
+
+
+def describe_p2p(w):
+    """'recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world'' for a Work."""
+    what = w._what
+    name, shape, dtype = what[:3]
+    desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
+    if len(what) >= 5 and isinstance(what[4], tuple):   # from the dispatcher: ("p2p", code, world peer, tag)
+        _, _, peer, tag = what[4]
+        to = {"recv": "from", "send": "to"}.get(name, "with")
+        gname = getattr(what[3], "name", "?")
+        return f"{name} {to} rank {peer} (tag {tag}, {desc}) on group {gname!r}"
+    return f"{name} ({desc})"
+
+
+def complete_pending(where="finalize()"):
+    """Complete every tracked async send/recv that is still pending (blocking, each with its
+    timeout), before ``where`` releases the communicators: one that cannot complete raises
+    its error (a CollectiveTimeoutError with the watchdog's diagnosis, naming the peer),
+    prefixed with ``where`` and the call, instead of being forgotten."""
+    while _pending:
+        w = _pending.pop()
+        try:
+            if w._done or w.is_completed():
+                continue
+            if Work.default_timeout is None:   # no timeout: say what this may wait for forever
+                sys.stderr.write(f"mpicomm: {where} waits for {describe_p2p(w)}, started with "
+                                 "async_op=True and not completed (no timeout is set)\n")
+                sys.stderr.flush()
+            w.wait()
+        except MpicommError as e:
+            raise type(e)(f"{where}: {describe_p2p(w)}, started with async_op=True and never waited "
+                          f"for, is still pending and cannot complete: {e}") from e
+
+
+def _timeout_arg(timeout):
+    """``Work.wait``'s timeout as a float of seconds >= 0; InvalidArgumentError otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise invalid("timeout", timeout, "a number of seconds >= 0, or None (the timeout given to init)")
+    return float(timeout)
+
+
 class Prepared:
     """One validated call signature and the function that runs it for given arrays.
 
@@ -65,7 +121,7 @@ class Prepared:
     a route that depends on more than these facts).
     """
 
-    __slots__ = ("code", "cls", "shape", "dtype", "arg", "role", "stream", "async_op", "run")
+    __slots__ = ("code", "cls", "shape", "dtype", "arg", "role", "stream", "async_op", "run", "spec", "sig")
 
     def __init__(self, code, x, out, arg, async_op, stream, run, reuse=True):
         self.code = code
@@ -78,6 +134,8 @@ class Prepared:
         self.stream = stream
         self.async_op = async_op
         self.run = run
+        self.spec = None     # the call's CallSpec and its signature: set by the dispatcher
+        self.sig = 0
 
     @property
     def name(self):
@@ -105,7 +163,7 @@ class Work:
     ``is_completed()`` tells without blocking.
     """
 
-    __slots__ = ("_result", "_done", "_what", "_post", "_watch")
+    __slots__ = ("_result", "_done", "_what", "_post", "_watch", "__weakref__")
 
     default_timeout = None          # set by init: the group's timeout (None: no limit)
 
@@ -134,11 +192,14 @@ class Work:
     def wait(self, timeout=None):
         """Block until the collective completes and return its result.
 
-        timeout: seconds (None: the timeout given to init, no limit where that is 0).
+        timeout: seconds (None: the timeout given to init, no limit where that is 0);
+        anything but a number >= 0 or None raises InvalidArgumentError.
         Raises CollectiveTimeoutError naming the collective, its group and sequence
         number and the ranks that have not reached it; the communicator is then
         unusable (on NCCL it is aborted), and an uncaught error aborts the job.
         """
+        if timeout is not None and (timeout.__class__ is not float or not timeout >= 0):
+            timeout = _timeout_arg(timeout)
         if not self._done:
             if timeout is None:
                 timeout = Work.default_timeout
@@ -195,6 +256,20 @@ class DoneWork(Work):
 
     def _poll(self):
         return True
+
+
+class HostCall:
+    """A blocking host call that a transport's ``point_to_point`` runs as it is (``fn()``,
+    whose result it returns): send_object / recv_object go through the dispatcher's
+    point_to_point in one, so they are published for the watchdog like a blocking send or
+    recv. ``shape`` and ``dtype`` describe it in a timeout report."""
+
+    __slots__ = ("fn", "dtype")
+    shape = ()
+
+    def __init__(self, fn, what):
+        self.fn = fn
+        self.dtype = what
 
 
 class Backend:

@@ -6,7 +6,8 @@ Made by :func:`mpicomm.init`, split by concern:
 * ``watchdog``: the thread that notices a call pending past the timeout and diagnoses it;
 * ``debug``: the cross-rank argument check of ``init(debug=True)``;
 * ``abort``: ending the whole job, and abort on an uncaught exception;
-* ``flight``: the flight recorder (each group's last calls), written on a report.
+* ``flight``: the flight recorder (each group's last calls), written on a report;
+* ``agreement``: the always-on check that every rank makes the same call.
 
 The dispatcher (mpicomm._dispatch) publishes progress inline; nothing here writes into
 a transport.
@@ -19,6 +20,7 @@ import time
 
 from .._backends.base import complete_dropped
 from ..errors import CollectiveTimeoutError, InvalidArgumentError
+from . import agreement
 from .abort import ExceptHooks, ExitStatus, abort_job, rank_prefix
 from .debug import Checked
 from .flight import FlightRecorder, size_from_env
@@ -37,6 +39,7 @@ class Reliability:
         self.ctx = ctx
         size = _flight_size(ctx)
         self.progress = Progress(ctx.world.mpi_comm, ctx.world.rank)
+        self.rings = agreement.HostRings(ctx.local_comm, ctx.world.rank, ctx.check and ctx.world.size > 1)
         self.flight = FlightRecorder(size, self.groups, self.progress, ctx.world.rank, ctx.world.size)
         self.watchdog = Watchdog(self.progress, self.groups, ctx.timeout, ctx.world,
                                  ctx.device_id if ctx.backend_name == "nccl" else None, flight=self.flight)
@@ -64,6 +67,29 @@ class Reliability:
 
     def name(self, g):
         self.progress.name(g)
+
+    def attach(self, g):
+        """Collective over member group ``g``: its agreement check learns the members' rows."""
+        agreement.attach(g.disp, self.rings, self.progress, g.mpi_comm, self.ctx.world.rank)
+
+    def resync(self, g):
+        """Give member group ``g`` a fresh communicator and transport (collective over its
+        members, who all call it at their next call after a disagreement or refusal that
+        some member took part in: what the failed call left unmatched stays in the old one)."""
+        old_t = g.transport
+        new = g.mpi_comm.Dup()
+        g.mpi_comm = new
+        g.transport = self.ctx.backend.make_transport(new)
+        d = g.disp
+        d.transport = self.wrap(g.transport, g)
+        from .._backends.base import NEVER
+
+        d.last = [NEVER] * len(d.last)
+        d.known.clear()
+        try:
+            old_t.close()
+        except Exception:
+            pass
 
     def wrap(self, transport, g):
         """The transport the dispatcher uses: in debug mode, wrapped by the argument check."""
@@ -128,6 +154,7 @@ class Reliability:
         except Exception:  # pragma: no cover
             pass
         self.progress.close(free)
+        self.rings.close(free)
         if free:
             for c in self._checked:
                 c.close()

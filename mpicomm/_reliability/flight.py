@@ -99,6 +99,7 @@ class FlightRecorder:
         self.progress = progress               # the group's DONE word tells which calls completed
         self.rank = world_rank
         self.world_size = world_size
+        self.peers = None   # the peers' windows a report's diagnosis read, for the record written with it
         # turns perf_counter_ns (what the hot path stores) into wall-clock ns
         self.origin = time.time_ns() - time.perf_counter_ns()
         _slots = self.slots
@@ -107,8 +108,9 @@ class FlightRecorder:
         global _slots
         _slots = 0
 
-    def record(self, reason):
-        """This rank's record as a JSON-ready dict: the calls of every group, oldest first."""
+    def record(self, reason, peers=None):
+        """This rank's record as a JSON-ready dict: the calls of every group, oldest first.
+        ``peers``: {world rank: window or None}, read by a report: each group says where they were."""
         m = self.progress.m
         groups, calls = {}, []
         for g in self.groups():
@@ -120,6 +122,8 @@ class FlightRecorder:
             # when the row's DONE word says so
             done_seq = max(d.seq - 1, int(m[b + 1]) >> 4 if b is not None else d.seq)
             groups[g.name] = {"ranks": list(g.ranks), "rank": g.rank, "last_seq": d.seq, "done_seq": done_seq}
+            if peers:
+                groups[g.name]["peers"] = _peer_rows(g, peers, self.rank)
             ring = d.fr
             if ring is None:
                 continue
@@ -134,10 +138,10 @@ class FlightRecorder:
                 "recorder_size": self.size, "clock_origin_ns": self.origin, "dumped_ns": time.time_ns(),
                 "groups": groups, "calls": calls}
 
-    def dump(self, path=None, reason="dump_flight_record()"):
+    def dump(self, path=None, reason="dump_flight_record()", peers=None):
         """Write the record; returns its absolute path. Raises OSError when it cannot be written."""
         path = trace_path(self.rank, path)
-        rec = self.record(reason)
+        rec = self.record(reason, peers)
         calls = rec.pop("calls")   # one call a line: readable, and greppable
         text = (json.dumps(rec)[:-1] + ',\n "calls": [' + ",".join("\n  " + json.dumps(c) for c in calls)
                 + "\n ]}")
@@ -160,10 +164,11 @@ class FlightRecorder:
         """Write the record for a report and return the report's line saying where (or why
         not); never raises, and gives up after DUMP_WAIT s (a hung file system)."""
         box = []
+        peers, self.peers = self.peers, None   # what this report's diagnosis read (once)
 
         def write():
             try:
-                box.append((self.dump(reason=reason), None))
+                box.append((self.dump(reason=reason, peers=peers), None))
             except BaseException as e:
                 box.append((None, f"{type(e).__name__}: {e}"))
 
@@ -176,6 +181,26 @@ class FlightRecorder:
         if err is not None:
             return f"{prefix}flight record: not written ({err})\n"
         return f"{prefix}flight record: {path}; merge the ranks' files with mpicomm-trace\n"
+
+
+def _peer_rows(g, peers, me):
+    """{world rank: its last entered and completed call on group ``g``, or None (no answer)}
+    of the members of ``g`` whose progress window a report read."""
+    from .progress import DONE, ENTERED, EXITED, GHASH, HDR, ROWS, F, ghash
+
+    out, gh = {}, ghash(g.name)
+    for wr in g.ranks:
+        if wr == me or wr not in peers:
+            continue
+        st = peers[wr]
+        if st is None:
+            out[str(wr)] = None
+            continue
+        row = next((r for r in st[HDR:].reshape(ROWS, F)[:ROWS - 1] if r[GHASH] == gh), None)
+        e, d = (0, 0) if row is None else (int(row[ENTERED]), int(row[DONE]))
+        out[str(wr)] = {"entered": e >> 4, "collective": NAMES.get(e & 15) if e else None, "done": d >> 4,
+                        "exited": bool(st[EXITED])}
+    return out
 
 
 def dump_flight_record(path=None):

@@ -18,27 +18,42 @@ import numpy as np
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
-# its tag, stack-dump request, then ROWS rows of F fields]. "exited" is set when the process
+# its tag, stack-dump request, the agreement report (its length in bytes, then REASON_WORDS
+# words of UTF-8 text), then ROWS rows of F fields]. "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
-# this rank's watchdog for its Python stack.
+# this rank's watchdog for its Python stack. The agreement report is the text of the last
+# disagreement or refusal this rank found or made (mpicomm._reliability.agreement): the
+# ranks it tells read it from here.
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 EXITED = 2
 XSTATUS = 3
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
-HDR = 8
+REASON_LEN = 8
+REASON = 9
+REASON_WORDS = 64
+HDR = REASON + REASON_WORDS
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
-F = 6
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
 # while they differ. The completion time is stamped by the watchdog, not the hot path.
 # RAISED holds the same for the last call that raised on this rank before or instead of
 # taking part (a local check failed): the peers' diagnosis names it. MEMBERS is a hash of
 # the group's world ranks as this rank was given them (create_group's rank_ids).
-GHASH, ENTERED, DONE, TDONE, RAISED, MEMBERS = range(F)
+# The agreement check's words: POISON, written by peers (RMA put), says that a rank found
+# a disagreement or refused call (its sequence number << 24 | that world rank + 1);
+# SPECSEQ and the SPEC words describe this rank's call of that sequence number (the
+# watchdog publishes them when a call waits, or when a peer's report asks for them);
+# RING holds the last RING calls' words (seq << 32 | signature), at seq % RING.
+(GHASH, ENTERED, DONE, TDONE, RAISED, MEMBERS, POISON, SPECSEQ) = range(8)
+SPEC = 8
+SPEC_N = 7
+RING = SPEC + SPEC_N
+RING_N = 8
+F = RING + RING_N + 1
 WORDS = HDR + ROWS * F
-# the dispatcher writes a row's words by their offset from ENTERED: DONE + 1, RAISED + 3
+# the dispatcher writes a row's words by their offset from ENTERED
 assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
@@ -103,7 +118,8 @@ class Progress:
             self.rows[g] = b + ENTERED
             return b + ENTERED
         m = self.m
-        m[b + ENTERED] = m[b + DONE] = m[b + RAISED] = 0
+        for i in range(F):
+            m[b + i] = 0
         m[b + GHASH] = ghash(g.name)
         m[b + MEMBERS] = members_hash(g.ranks)
         self.rows[g] = b + ENTERED
@@ -140,6 +156,82 @@ class Progress:
 
     def name(self, g):
         self.names[ghash(g.name)] = g.name
+
+    def slot(self, g):
+        """The index of group ``g``'s row (its first word), or None (unpublished overflow)."""
+        b = self.rows.get(g)
+        if b is None or b - ENTERED == HDR + (ROWS - 1) * F:
+            return None
+        return b - ENTERED
+
+    def put_words(self, rank, index, values):
+        """Write int64 ``values`` at word ``index`` of world ``rank``'s window (RMA put);
+        waits at most READ_WAIT s for them to leave (a dead peer must not hold anyone up)."""
+        if rank == self.wrank:
+            for i, v in enumerate(values):
+                self.m[index + i] = v
+            return
+        if self.win is None:
+            return
+        from mpi4py import MPI
+
+        buf = np.array(values, np.int64)
+        try:
+            self.win.Put([buf, MPI.INT64_T], rank, target=(index, len(values), MPI.INT64_T))
+            self.win.Flush(rank)   # there before this rank goes on
+        except Exception:
+            return
+
+    def read_words(self, rank, index, n):
+        """``n`` int64 words at ``index`` of world ``rank``'s window (a copy), or None when it
+        does not answer within READ_WAIT s."""
+        if rank == self.wrank:
+            return np.frombuffer(self.m, np.int64, n, index * 8).copy()
+        if self.win is None:
+            return None
+        from mpi4py import MPI
+
+        buf = np.zeros(n, np.int64)
+        try:
+            q = self.win.Rget([buf, MPI.INT64_T], rank, target=(index, n, MPI.INT64_T))
+        except Exception:
+            return None
+        deadline = time.monotonic() + READ_WAIT
+        while not q.Test():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.0005)
+        return buf
+
+    def set_reason(self, text):
+        """Publish the text of this rank's last agreement report (truncated to fit)."""
+        b = text.encode()[:REASON_WORDS * 8]
+        raw = np.zeros(REASON_WORDS, np.int64)
+        raw.view(np.uint8)[:len(b)] = np.frombuffer(b, np.uint8)
+        for i in range(REASON_WORDS):
+            self.m[REASON + i] = int(raw[i])
+        self.m[REASON_LEN] = len(b)
+
+    def set_decision(self, resync):
+        """Publish, with the report, whether the group needs a fresh communicator."""
+        self.m[REASON_LEN] = (self.m[REASON_LEN] & 0xFFFFFFFF) | 1 << 32 | (1 << 33 if resync else 0)
+
+    def reason_of(self, rank, decision=False, wait=None):
+        """World ``rank``'s last agreement report, or None; with ``decision``, the pair
+        (report, resync or None when not decided within ``wait`` s)."""
+        deadline = time.monotonic() + (wait or 0)
+        while True:
+            w = self.read_words(rank, REASON_LEN, 1 + REASON_WORDS)
+            n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
+            text = w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
+                if w is not None and 0 < n <= REASON_WORDS * 8 else None
+            if not decision:
+                return text
+            if w is not None and int(w[0]) >> 32 & 1:
+                return text, bool(int(w[0]) >> 33 & 1)
+            if w is None or time.monotonic() > deadline:
+                return text, None
+            time.sleep(0.002)
 
     def remove(self, g):
         b = self.rows.pop(g, None)

@@ -19,8 +19,9 @@ import time
 from .._ops import NAMES, RECV
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
-from .progress import (DONE, DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, READ_WAIT, ROWS,
-                       TDONE, XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
+from . import agreement as agr
+from .progress import (DONE, DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, RAISED, READ_WAIT,
+                       ROWS, SPECSEQ, TDONE, XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
 from .stacks import Stacks, stack_path
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
@@ -39,6 +40,7 @@ class Watchdog:
         self.stacks = Stacks(world.rank, rank_prefix)
         self.lagging = []              # the ranks the last diagnosis found not in the call
         self._p2p_seen = None          # (P2P word, first seen) of the send/recv in progress
+        self._compared = set()         # (row, entered word) whose members' signatures were compared
         self._dump_seen = 0            # the last DUMP stamp answered
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
@@ -59,7 +61,7 @@ class Watchdog:
         self._thread = None
 
     def _loop(self):
-        period = min(1.0, self.timeout / 10)
+        period = min(0.25, self.timeout / 10)
         seen = {}       # row -> (entered word, first seen monotonic)
         done = {}       # row -> last done word seen
         events = {}     # row -> (done word, cuda event, recorded at, what, group)
@@ -88,10 +90,13 @@ class Watchdog:
             if done.get(b) != d:  # stamp completion time here, not on the hot path
                 done[b] = d
                 m[b - ENTERED + TDONE] = wall
+            self._answer(g, b, e, d)
             if e != d:
                 s = seen.get(b)
                 if s is None or s[0] != e:
                     seen[b] = (e, now)
+                elif now - s[1] >= agr.WAIT_CHECK and self._disagreement(g, b, e >> 4, now - s[1]):
+                    return
                 elif now - s[1] >= self.timeout or (now - s[1] >= EXIT_CHECK and self._peer_exited(g, e >> 4)):
                     disp = getattr(g, "disp", None)
                     desc = disp.describe(e & 15) if disp is not None else "?"
@@ -126,6 +131,95 @@ class Watchdog:
         if self.device_id is not None:
             self._tick_gpu(events, now)
         p.poke()
+
+    # ------------------------------------------------------ the agreement check
+    def _answer(self, g, b, e, d):
+        """Publish this rank's spec where a peer needs it: the call a member's report
+        (POISON) is about, else the call waiting now (for the peers' diagnosis)."""
+        m = self.progress.m
+        base = b - ENTERED
+        disp = getattr(g, "disp", None)
+        if disp is None:
+            return
+        pw = m[base + POISON]
+        want = None
+        if pw:
+            k, who = agr.poison_fields(pw)
+            if who != self.progress.wrank and k <= e >> 4:
+                want = k
+        if want is None and e != d:
+            want = e >> 4
+        if want is None or m[base + SPECSEQ] == want:
+            return
+        sp = disp.spec_for(want)
+        if sp is not None:
+            agr.publish_spec(m, b, want, sp)
+
+    def _disagreement(self, g, b, seq, waited):
+        """Once per waiting call: compare every member's signature of call ``seq``; where they
+        differ (or a member refused it, or a report says the call cannot come) end the job
+        with every rank's call named. True when it fired."""
+        disp = getattr(g, "disp", None)
+        key = (b, seq)
+        if disp is None or disp.slots is None or not disp.check:
+            return False
+        m = self.progress.m
+        pw = m[b - ENTERED + POISON]
+        if pw:   # a report about an earlier call: the members will not come to this one
+            k, who = agr.poison_fields(pw)
+            if who != self.progress.wrank and k < seq and waited >= agr.REFUSAL_WAIT:
+                why = self.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
+                return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
+                                           "others will not make", waited)
+        if key in self._compared and waited < agr.REFUSAL_WAIT:
+            return False
+        self._compared.add(key)
+        if len(self._compared) > 4096:
+            self._compared.clear()
+        mine = int(m[b - ENTERED + agr.RING + seq % agr.RING_N])
+        if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
+            return False   # this rank refused the call: its refusal is in progress
+        bad, refused, lines = [], [], []
+        for j, wr in enumerate(g.ranks):
+            if j == g.rank:
+                continue
+            row = agr.read_row(self.progress, wr, disp.slots[j])
+            if row is None:
+                continue
+            w, st = agr.ring_word(row, seq)
+            if st == "refused":
+                refused.append(wr)
+            elif st == "entered" and w != mine:
+                bad.append((j, wr, row))
+        if refused and waited >= agr.REFUSAL_WAIT:
+            why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
+            return self._fire_mismatch(g, seq, why, waited)
+        if not bad:
+            return False
+        from .._callspec import PeerSpec
+
+        me_spec = disp.spec_for(seq)
+        time.sleep(2 * 0.25)   # the peers' watchdogs publish their specs
+        calls = [f"rank {self.progress.wrank}: {me_spec.describe() if me_spec else NAMES.get(int(m[b]) & 15, '?')}"]
+        for j, wr, _ in bad:
+            row = agr.read_row(self.progress, wr, disp.slots[j])
+            sw = agr.spec_words(row, seq) if row is not None else None
+            calls.append(f"rank {wr}: " + (PeerSpec(sw).describe(me_spec) if sw is not None else "another call"))
+        why = (f"{NAMES.get(int(m[b]) & 15, '?')} sequence {seq} on group {g.name!r}: the ranks called "
+               f"differently: " + "; ".join(calls))
+        return self._fire_mismatch(g, seq, why, waited)
+
+    def _fire_mismatch(self, g, seq, why, waited):
+        with self._lock:
+            if self.fired:
+                return True
+            self.fired = True
+        msg = (f"rank {self.progress.wrank}: call {seq} on group {g.name!r} cannot complete (waited "
+               f"{waited:.1f} s): {why}. Every rank must make the same call; the job ends because this "
+               "rank is blocked inside it")
+        self.lagging = []
+        self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
+        return True
 
     def _peer_exited(self, g, seq):
         """True when a rank of ``g`` has left its script without reaching call ``seq`` of ``g``
@@ -223,7 +317,7 @@ class Watchdog:
         msg = self.diagnose(g, seq, name, desc, waited, gpu=gpu, early=early)
         self._report(msg, early, g.ranks)
 
-    def _report(self, msg, early, ranks):
+    def _report(self, msg, early, ranks, kind=None):
         """Print the report (asking the lagging ranks for their stacks), write the flight
         record, abort the job: with the exit status of a rank that left, else 1."""
         lag = self.lagging
@@ -232,12 +326,12 @@ class Watchdog:
             msg += "\n  " + "; ".join(f"rank {r} was asked to print its Python stack (and to write {stack_path(r)}; a stopped process cannot)"
                                       for r in lag)
         code = self._exit_code(ranks) if early else 1
-        kind = "CommunicationError" if early else "CollectiveTimeoutError"
+        kind = kind or ("CommunicationError" if early else "CollectiveTimeoutError")
         sys.stderr.write(f"{rank_prefix()}{kind}: {msg}\n"
                          f"{rank_prefix()}aborting the job" + (f" with exit status {code}" if code != 1 else "")
                          + "\n")
         sys.stderr.flush()   # the report is out before the record is written
-        sys.stderr.write(self._flight_line("early exit" if early else "timeout"))
+        sys.stderr.write(self._flight_line("early exit" if early else ("mismatch" if kind == "CollectiveMismatchError" else "timeout")))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE, code=code)
@@ -317,6 +411,8 @@ class Watchdog:
         code = next((c for c, nm in NAMES.items() if nm == name), 0)
         p = self.progress
         states = p.read_peers(list(g.ranks))
+        if self.flight is not None:   # the record written with this report says where the peers were
+            self.flight.peers = states
         nowms = int(time.time() * 1000)
         missing, lines, other, raised, exited, how, apart = [], [], [], [], [], [], []
         creating = name == "create_group"

@@ -1,0 +1,215 @@
+"""What a call is, in one vocabulary: the facts every rank of a group must agree on.
+
+A :class:`CallSpec` is built once per prepared call (the dispatcher reuses it with the
+prepared call) from the collective, the input and its ``arg``: the dtype, the element
+count, the op, the root, the trailing shape of collectives that concatenate along axis 0,
+and the per-rank sizes of an uneven call. It encodes to
+
+* ``sig``: a 32-bit hash, published with the call's sequence number in one machine word
+  (``seq << 32 | sig``) that the agreement check compares across ranks on every call;
+* ``words()``: a few int64 words that a peer can read from this rank's progress window and
+  turn back into a description (:func:`from_words`), and that a rank standing in for a
+  refused call builds its stand-in from;
+* ``describe()``: the call in words ("all_reduce of 4 x float32, op sum");
+* ``diff(other)``: the fields that differ, in words.
+
+Facts that differ between ranks by design are left out: the role of ``out=`` (in place or
+not), the array's class (NumPy, CuPy, PyTorch), and, in uneven calls, each rank's own count.
+"""
+from __future__ import annotations
+
+import zlib
+
+from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER,
+                   SCATTER, ReduceOp, Sized)
+
+REFUSED = 0xFFFFFFFF        # the sig of a call this rank refused (an argument error, or a peer's report)
+SPEC_WORDS = 7              # code, dtype, count, op + 1, root + 1, tail hash, sizes hash
+_OPS = tuple(ReduceOp)
+_DTYPES = {}                # dtype id -> name (every name this process has seen, and the common ones)
+
+
+def _crc(text):
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def dtype_name(dtype):
+    """'float32' for NumPy's, CuPy's and PyTorch's float32 alike."""
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = str(dtype)
+    return name.replace("torch.", "")
+
+
+def dtype_id(name):
+    i = _crc(name) + 1
+    _DTYPES[i] = name
+    return i
+
+
+for _n in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+           "bfloat16", "float32", "float64", "complex64", "complex128"):
+    dtype_id(_n)
+
+
+class CallSpec:
+    """The agreed facts of one call (see the module docstring)."""
+
+    __slots__ = ("code", "dtype", "count", "op", "root", "tail", "sizes", "sig", "_words")
+
+    def __init__(self, code, dtype="", count=0, op=None, root=None, tail=None, sizes=None):
+        self.code = code
+        self.dtype = dtype          # the dtype's name ('' for calls without an array)
+        self.count = count          # elements every rank passes (0 where they differ by design)
+        self.op = op                # a ReduceOp or None
+        self.root = root            # a group rank or None
+        self.tail = tail            # the trailing shape (x.shape[1:]) where it must agree, else None
+        self.sizes = sizes          # per-rank sizes / splits of an uneven call, else None
+        w = self._words = (code, dtype_id(dtype) if dtype else 0, count,
+                           _OPS.index(op) + 1 if op is not None else 0,
+                           root + 1 if root is not None else 0,
+                           _crc(repr(tail)) if tail is not None else 0,
+                           _crc(repr(sizes)) if sizes is not None else 0)
+        s = zlib.crc32(repr(w).encode())
+        self.sig = s ^ 1 if s == REFUSED else s
+
+    def words(self):
+        return self._words
+
+    @property
+    def name(self):
+        return NAMES.get(self.code, f"collective #{self.code}")
+
+    def describe(self):
+        text = self.name
+        if self.dtype:
+            text += f" of {self.count} x {self.dtype}" if self.count else f" of {self.dtype}"
+        if self.tail is not None and len(self.tail):
+            text += f", trailing shape {_shape(self.tail)}"
+        if self.op is not None:
+            text += f", op {self.op.value}"
+        if self.root is not None:
+            text += f", root {self.root}"
+        if self.sizes is not None:
+            text += f", sizes {_shape(self.sizes)}"
+        return text
+
+    def diff(self, other):
+        """The fields in which ``other`` (a CallSpec or a PeerSpec) differs, in words."""
+        a, b = self.words(), other.words()
+        names = ("collective", "dtype", "element count", "op", "root", "trailing shape", "sizes")
+        return ", ".join(n for n, x, y in zip(names, a, b) if x != y) or "the call"
+
+
+class PeerSpec:
+    """Another rank's call, decoded from the words it published (hashes stay hashes)."""
+
+    __slots__ = ("_words",)
+
+    def __init__(self, words):
+        self._words = tuple(int(v) for v in words)
+
+    def words(self):
+        return self._words
+
+    @property
+    def code(self):
+        return self._words[0]
+
+    @property
+    def name(self):
+        return NAMES.get(self._words[0], f"collective #{self._words[0]}")
+
+    @property
+    def dtype(self):
+        return _DTYPES.get(self._words[1], "") if self._words[1] else ""
+
+    @property
+    def count(self):
+        return self._words[2]
+
+    @property
+    def op(self):
+        return _OPS[self._words[3] - 1] if 0 < self._words[3] <= len(_OPS) else None
+
+    @property
+    def root(self):
+        return self._words[4] - 1 if self._words[4] else None
+
+    @property
+    def sized(self):
+        return self._words[6] != 0
+
+    def describe(self, mine=None):
+        code, dt, count, op, root, tail, sizes = self._words
+        text = self.name
+        if dt:
+            dname = _DTYPES.get(dt, f"dtype #{dt}")
+            text += f" of {count} x {dname}" if count else f" of {dname}"
+        if mine is not None and tail and tail != mine.words()[5]:
+            text += ", another trailing shape"
+        if op:
+            text += f", op {self.op.value if self.op is not None else op}"
+        if root:
+            text += f", root {root - 1}"
+        if mine is not None and sizes and sizes != mine.words()[6]:
+            text += ", other sizes"
+        elif sizes:
+            text += ", per-rank sizes"
+        return text
+
+
+def _shape(t):
+    return "(" + ", ".join(map(str, t)) + ("," if len(t) == 1 else "") + ")"
+
+
+def _count(x):
+    n = 1
+    for d in x.shape:
+        n *= d
+    return n
+
+
+def spec_of(code, x, out, arg, size, rank):
+    """The CallSpec of collective ``code`` on ``x`` with ``arg``, on group rank ``rank`` of a
+    group of ``size`` ranks."""
+    shape = tuple(getattr(x, "shape", ()) or ())
+    dt = dtype_name(getattr(x, "dtype", ""))
+    count = _count(x) if hasattr(x, "shape") else 0
+    tail = shape[1:] if shape else ()
+    if arg.__class__ is Sized:
+        base, sizes, out_sizes = arg
+        if code == ALL_TO_ALL:   # in and out splits pair up between ranks: not one value
+            return CallSpec(code, dt, 0, tail=tail)
+        if code == REDUCE_SCATTER:
+            return CallSpec(code, dt, count, op=base, sizes=sizes)
+        if code == GATHER:
+            return CallSpec(code, dt, 0 if sizes is not None else count, root=base, tail=tail, sizes=sizes)
+        if code == SCATTER:
+            if sizes is not None:
+                return CallSpec(code, dt, 0, root=base, tail=tail, sizes=sizes)
+            # x is the root's whole array there, this rank's part elsewhere
+            return CallSpec(code, dt, count // size if rank == base and size else count, root=base, tail=tail)
+        if code == ALL_GATHER:
+            return CallSpec(code, dt, 0 if sizes is not None else count, tail=tail, sizes=sizes)
+        return CallSpec(code, dt, count, sizes=sizes)
+    if code == ALL_REDUCE or code == REDUCE_SCATTER:
+        return CallSpec(code, dt, count, op=arg)
+    if code == BROADCAST:
+        return CallSpec(code, dt, count, root=arg)
+    if code == REDUCE:
+        return CallSpec(code, dt, count, op=arg[0], root=arg[1])
+    if code == ALL_GATHER or code == ALL_TO_ALL:
+        return CallSpec(code, dt, count, tail=tail)
+    return CallSpec(code, dt, count)
+
+
+_PLAIN = {}
+
+
+def plain_spec(code):
+    """The spec of a call without arrays (barrier, creating or destroying a group)."""
+    s = _PLAIN.get(code)
+    if s is None:
+        s = _PLAIN[code] = CallSpec(code)
+    return s

@@ -1,0 +1,187 @@
+"""The agreement check: ranks that disagree on a call are caught on every call.
+
+Every call's :class:`~mpicomm._callspec.CallSpec` hashes to a 32-bit signature, built once
+per prepared call. The dispatcher publishes ``seq << 32 | signature`` at ``seq % RING_N``
+of the group's ring, twice: in its progress row (read by peers on any host, RMA) and in a
+window that the ranks of one host share (``MPI.Win.Allocate_shared``), where its two
+neighbours on the host read it with plain loads right after their own call of that
+sequence number. The cost per call is two stores, two loads per neighbour and one load of
+the row's POISON word before and after the call: it does not grow with the ranks.
+
+What happens on a disagreement:
+
+* **Both ranks took part** (different dtype, count, op, root, collective): the later of two
+  host neighbours sees the other's word after its call and raises
+  CollectiveMismatchError before returning (no wrong result leaves the call). It writes the
+  report into its progress window and POISON into every member's row; they raise it at
+  their next call on the group. A call that cannot complete (MPI or NCCL waits for data
+  that never comes) is found by the watchdog, which compares the ranks' ring words once a
+  call has waited WAIT_CHECK s and ends the job with every rank's call named.
+* **A rank refused the call** (an argument error on that rank only): it publishes the
+  refusal (signature REFUSED) and POISON, waits until every member has either refused too
+  or entered the call, and, where a member is waiting inside the call, takes part with a
+  stand-in built from that member's published spec, so the call completes; the members
+  then raise CollectiveMismatchError naming the rank and its reason. A rank that reaches
+  the call after POISON refuses it the same way.
+* Afterwards (MPI), where any rank had entered the call, every member replaces the
+  group's communicator with a fresh one at its next call (``MPI_Comm_dup``): messages of
+  the failed call left unmatched can never reach a later call. The group goes on.
+
+The same check runs on NCCL: signatures are host facts, and a stand-in is an NCCL call on
+a scratch GPU buffer. Uneven calls with explicit per-rank sizes cannot be stood in for
+(the peers' sizes are published as a hash): there a waiting rank ends the job.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .._callspec import REFUSED
+from .progress import ENTERED, DONE, POISON, RING, RING_N, ROWS, SPEC, SPEC_N, SPECSEQ, F, HDR
+
+WAIT_CHECK = 1.0      # s a call waits before the watchdog compares every member's signature
+REFUSAL_WAIT = 3.0    # s a call waits on a refused peer before the watchdog ends the job
+
+
+def poison_word(seq, wrank):
+    return seq << 24 | (wrank + 1)
+
+
+def poison_fields(word):
+    """(sequence number, world rank) of a POISON word."""
+    return word >> 24, (word & 0xFFFFFF) - 1
+
+
+class HostRings:
+    """The host-shared copy of every rank's rings: one segment per rank of this host."""
+
+    def __init__(self, local_comm, world_rank, enabled):
+        self.views = {}          # world rank on this host -> its segment (int64 memoryview)
+        self.comm = self.win = None
+        if not enabled or local_comm is None or local_comm.Get_size() < 2:
+            return
+        try:
+            from mpi4py import MPI
+
+            from .abort import quiet
+
+            self.comm = local_comm.Dup()
+            self.win = quiet(lambda: MPI.Win.Allocate_shared(ROWS * RING_N * 8, 8, comm=self.comm))
+            ranks = self.comm.allgather(world_rank)
+            for i, r in enumerate(ranks):
+                buf, _ = self.win.Shared_query(i)
+                self.views[r] = memoryview(buf).cast("B").cast("q")
+            mine = self.views[world_rank]
+            for i in range(ROWS * RING_N):
+                mine[i] = 0
+            self.comm.Barrier()
+        except Exception:   # no shared memory here: only the watchdog compares
+            self.views = {}
+
+    @staticmethod
+    def base(slot):
+        """The first ring word of the row at window index ``slot`` in a shared segment."""
+        return (slot - HDR) // F * RING_N
+
+    def close(self, free):
+        w, self.win = self.win, None
+        self.views = {}
+        if free and w is not None:
+            try:
+                w.Free()
+            except Exception:
+                pass
+        if free and self.comm is not None:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+        self.comm = None
+
+
+def attach(disp, rings, progress, comm, wrank):
+    """Collective over the group's communicator ``comm``: learn every member's row and give
+    the dispatcher its host neighbours' rings (the ranks before and after it on this host)."""
+    g = disp.group
+    slot = progress.slot(g)
+    allv = comm.allgather((wrank, slot))
+    disp.slots = tuple(s for _, s in allv)
+    if slot is None or any(s is None for s in disp.slots) or not rings.views or not disp.check:
+        return
+    host = [i for i, (r, _) in enumerate(allv) if r in rings.views]
+    if len(host) < 2:
+        return
+    me = host.index(g.rank)
+    near = []
+    for j in (host[me - 1], host[(me + 1) % len(host)]):
+        if j != g.rank and j not in near:
+            near.append(j)
+    disp.peers = tuple((rings.views[allv[j][0]], rings.base(allv[j][1]), j) for j in near)
+    disp.shr = rings.views[wrank]
+    disp.shb = rings.base(slot)
+
+
+def read_row(progress, wrank, slot):
+    """World rank ``wrank``'s row (F words at ``slot``), or None."""
+    return progress.read_words(wrank, slot, F)
+
+
+def ring_word(row, seq):
+    """The ring word a row holds for ``seq``: (word or 0, state) with state 'refused',
+    'entered', 'behind' (not there yet) or 'ahead' (entered and moved past the ring)."""
+    from .._callspec import REFUSED
+
+    w = int(row[RING + (seq % RING_N)])
+    if w >> 32 == seq:
+        return w, ("refused" if w & 0xFFFFFFFF == REFUSED else "entered")
+    if int(row[ENTERED]) >> 4 < seq:
+        return 0, "behind"
+    return 0, "ahead"
+
+
+def pending(row, seq):
+    """True when the row's rank is inside call ``seq`` (entered, not done)."""
+    return int(row[ENTERED]) >> 4 == seq and row[ENTERED] != row[DONE]
+
+
+def spec_words(row, seq):
+    """The SPEC words a row published for ``seq``, or None."""
+    if int(row[SPECSEQ]) != seq:
+        return None
+    return row[SPEC:SPEC + SPEC_N]
+
+
+def publish_spec(m, b, seq, spec):
+    """Write ``spec`` as this rank's call ``seq`` into the row at ENTERED index ``b``."""
+    base = b - ENTERED
+    for i, v in enumerate(spec.words()):
+        m[base + SPEC + i] = int(v) if v is not None else 0
+    m[base + SPECSEQ] = seq
+
+
+def poison_index(slot):
+    return slot + POISON
+
+
+def wait_rows(progress, members, slots, done, timeout=None):
+    """Read the rows of group ranks ``members`` (world ranks, their row ``slots``) until
+    ``done(rows)`` is true; returns the rows ({group rank: row or None})."""
+    t0 = time.monotonic()
+    while True:
+        rows = {j: read_row(progress, wr, slots[j]) for j, wr in members.items()}
+        if done(rows):
+            return rows
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            return rows
+        time.sleep(0.002)
+
+
+def dtype_of(name):
+    """The NumPy dtype named ``name`` (bfloat16 from ml_dtypes)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
