@@ -9,6 +9,11 @@ to print, per group, a table of its last calls (group, sequence number, collecti
 shape and dtype) against the ranks: each rank's start relative to the rank that entered
 the call first, "-" where a rank has no record of the call, "(pending)" where it had
 not completed, and the rank that entered last (the straggler) and by how much.
+Every member of a group has a column, those without a file too ("missing (no record)"):
+a rank that never reached the call prints no report and writes no file, but the files
+written by a timeout report hold where each peer was (its last entered and completed
+sequence number per group, read from its progress window), so such a rank is still
+named as the one that did not enter the call, with its last call.
 ``--chrome OUT.json`` also writes a Chrome / Perfetto trace (one row per rank). Needs
 no MPI. Exit status 2, naming the file, for a missing or invalid file.
 """
@@ -77,8 +82,19 @@ def load(path):
         if not isinstance(g, dict) or not isinstance(g.get("ranks"), list) or not isinstance(g.get("last_seq"), int):
             raise TraceError(f"{path}: invalid flight record: groups[{name!r}] is {g!r}, expected an object "
                              "with ranks and last_seq")
+        peers = g.get("peers", {})
+        for k, v in (peers.items() if isinstance(peers, dict) else [(None, peers)]):
+            if not (isinstance(k, str) and k.isdigit()) or not (v is None or _peer_ok(v)):
+                raise TraceError(f"{path}: invalid flight record: groups[{name!r}].peers"
+                                 + ("" if k is None else f"[{k!r}]") + f" is {v!r}, expected an object of "
+                                 "world ranks, each null or an object with integers entered and done")
     rec["_path"] = path
     return rec
+
+
+def _peer_ok(v):
+    return isinstance(v, dict) and all(isinstance(v.get(k), int) and not isinstance(v.get(k), bool)
+                                       for k in ("entered", "done"))
 
 
 def _rank_in_name(path):
@@ -141,49 +157,107 @@ def ago(ns):
 
 
 def merge(recs):
-    """Per group (world first): its calls in sequence order, each a dict of what the ranks recorded."""
+    """Per group (world first): its members, its columns (the members and the ranks with a
+    file), what the others' records say of each member without a file ("absent") and its
+    calls in sequence order, each a dict of what the ranks recorded."""
     groups = {}
     for r, rec in recs.items():
         for name, g in rec["groups"].items():
-            e = groups.setdefault(name, {"members": set(), "last": {}})
+            e = groups.setdefault(name, {"members": set(), "last": {}, "heard": {}})
             e["members"].update(g["ranks"])
             e["last"][r] = g["last_seq"]
+            for k, v in (g.get("peers") or {}).items():
+                e["heard"].setdefault(int(k), []).append((r, v))
         for c in rec["calls"]:
-            e = groups.setdefault(c["group"], {"members": set(), "last": {}})
+            e = groups.setdefault(c["group"], {"members": set(), "last": {}, "heard": {}})
             e.setdefault("calls", {}).setdefault(c["seq"], {})[r] = c
     out = {}
     for name in sorted(groups, key=lambda n: (n != "world", n)):
         e = groups[name]
-        calls = []
-        for seq, byrank in sorted(e.get("calls", {}).items()):
-            calls.append(_call_row(name, seq, byrank, e, recs))
-        out[name] = {"members": sorted(e["members"]), "calls": calls}
+        e["absent"] = {r: _heard(e["heard"].get(r, [])) for r in sorted(e["members"]) if r not in recs}
+        cols = sorted(set(recs) | e["members"])
+        calls = [_call_row(name, seq, byrank, e, recs, cols) for seq, byrank in sorted(e.get("calls", {}).items())]
+        out[name] = {"members": sorted(e["members"]), "cols": cols, "absent": e["absent"], "calls": calls}
     return out
 
 
-def _call_row(name, seq, byrank, e, recs):
+def _heard(said):
+    """What the others' records say of a member without a file, from [(rank whose record says
+    it, what it read or None)]: the latest state read (highest entered, then done) with "by"
+    the rank that read it; {"entered": None, "by": ...} where no read was answered; None
+    where no record read it."""
+    got = [(v["entered"], v["done"], -r, r, v) for r, v in said if v is not None]
+    if got:
+        *_, r, v = max(got)
+        return {**v, "by": r}
+    if said:
+        return {"entered": None, "by": sorted(r for r, _ in said)[0]}
+    return None
+
+
+def _entered(a):
+    """The last sequence number a member without a file entered, as the others read it (None: unknown)."""
+    return None if a is None else a.get("entered")
+
+
+def _absent_cell(a, seq):
+    ent = _entered(a)
+    if ent is None:
+        return "missing (no record)"
+    if ent < seq:
+        return "not entered (no record)"
+    if ent == seq and a["done"] < seq:
+        return "pending (no record)"
+    return "entered (no record)"
+
+
+def _rlist(rs):
+    return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+
+def _call_row(name, seq, byrank, e, recs, cols):
     descs = {r: describe(c) for r, c in byrank.items()}
     common = Counter(descs.values()).most_common(1)[0][0]
     t0 = min(c["start_ns"] for c in byrank.values())
-    # a member rank with a file whose last call on the group came before this one never entered it
-    missing = [r for r in recs if r in e["members"] and r not in byrank and e["last"].get(r, 0) < seq]
+    absent = e["absent"]
+    # a member rank with a file whose last call on the group came before this one never entered
+    # it; nor did a member without a file whose last call, as a peer's report read it, came before
+    missing = [r for r in cols if r in e["members"]
+               and ((r in recs and r not in byrank and e["last"].get(r, 0) < seq)
+                    or (r in absent and _entered(absent[r]) is not None and _entered(absent[r]) < seq))]
+    unknown = [r for r in absent if _entered(absent[r]) is None]   # no file, and no peer read it
     row = {"group": name, "seq": seq, "what": common, "first": t0, "cells": {}, "missing": missing,
-           "odd": {r: d for r, d in descs.items() if d != common}}
-    for r in recs:
+           "unknown": unknown, "odd": {r: d for r, d in descs.items() if d != common}}
+    for r in cols:
         c = byrank.get(r)
+        if r in absent:
+            row["cells"][r] = _absent_cell(absent[r], seq)
+            continue
         if c is None:
             row["cells"][r] = "-" if r in e["members"] or not e["members"] else "n/a"
             continue
         cell = ago(c["start_ns"] - t0) + ("" if c["done"] else " (pending)") + ("!" if r in row["odd"] else "")
         row["cells"][r] = cell
+    pending = [r for r, c in byrank.items() if not c["done"]]
     if missing:
         row["straggler"] = (missing, None)
-        row["last"] = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (not entered)"
+        nofile = [r for r in missing if r not in recs]
+        tag = ("" if not nofile else "; no record" if len(nofile) == len(missing)
+               else f"; no record of {_rlist(nofile)}")
+        row["last"] = f"{_rlist(missing)} (not entered{tag})"
+    elif unknown and pending:
+        # every rank known has entered it and it is pending: the members nobody saw are the ones
+        row["straggler"] = (unknown, None)
+        row["last"] = f"{_rlist(unknown)} (missing: no record)"
     elif len(byrank) > 1:
         last = max(byrank, key=lambda r: (byrank[r]["start_ns"], r))
         by = byrank[last]["start_ns"] - t0
-        row["straggler"] = ([last], by)
-        row["last"] = f"rank {last} {ago(by)}"
+        if absent:   # when the members without a file entered is not known: not counted
+            row["straggler"] = None
+            row["last"] = f"rank {last} {ago(by)} ({_rlist(list(absent))}: no record)"
+        else:
+            row["straggler"] = ([last], by)
+            row["last"] = f"rank {last} {ago(by)}"
     else:
         row["straggler"] = None
         row["last"] = ""
@@ -211,8 +285,7 @@ def report(recs, last=DEFAULT_LAST):
              f"{', '.join(map(str, ranks))} of {n}"]
     absent = [r for r in range(n) if r not in recs]
     if absent:
-        lines.append(f"  no file for rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} "
-                     "(not written, or not given)")
+        lines.append(f"  no file for {_rlist(absent)} (not written, or not given): missing (no record)")
     for r, rec in recs.items():
         off = "" if rec.get("recorder_size", 1) else "; the recorder was off (MPICOMM_FLIGHT_RECORDER=0)"
         lines.append(f"  rank {r}: {rec.get('host', '?')} pid {rec.get('pid', '?')}, written "
@@ -221,6 +294,9 @@ def report(recs, last=DEFAULT_LAST):
         lines.append("  the ranks ran on several hosts: times between hosts include their clocks' difference")
     lines.append("each rank's column: when it entered the call, after the rank that entered it first; "
                  "'-': no record of the call; (pending): not completed")
+    if absent:
+        lines.append("a rank without a file: 'missing (no record)', or where the others' reports read its "
+                     "progress: 'not entered', 'pending' or 'entered (no record)'")
     for name, g in merge(recs).items():
         calls = g["calls"] if not last else g["calls"][-last:]
         lines.append("")
@@ -229,8 +305,8 @@ def report(recs, last=DEFAULT_LAST):
                         else f"{len(calls)} recorded call{'s' if len(calls) != 1 else ''}"))
         if not calls:
             continue
-        header = ["seq", "collective", "shape dtype"] + [f"rank {r}" for r in ranks] + ["last to enter"]
-        rows = [[c["seq"], c["what"][0], c["what"][1]] + [c["cells"][r] for r in ranks] + [c["last"]]
+        header = ["seq", "collective", "shape dtype"] + [f"rank {r}" for r in g["cols"]] + ["last to enter"]
+        rows = [[c["seq"], c["what"][0], c["what"][1]] + [c["cells"][r] for r in g["cols"]] + [c["last"]]
                 for c in calls]
         lines.append(_table(header, rows))
         for c in calls:
@@ -242,8 +318,20 @@ def report(recs, last=DEFAULT_LAST):
         if never:
             c = never[0]
             who = c["missing"]
-            lines.append(f"  rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))} did not enter seq "
-                         f"{c['seq']} {c['what'][0]}, nor any later call of the group")
+            lines.append(f"  {_rlist(who)} did not enter seq {c['seq']} {c['what'][0]}, nor any later call "
+                         "of the group")
+        else:
+            c = next((c for c in calls if c["straggler"] and c["straggler"][1] is None), None)
+            if c is not None:   # pending where every rank seen entered it: the unseen ones did not
+                who, on = c["straggler"][0], [r for r in c["cells"] if "(pending)" in c["cells"][r]]
+                lines.append(f"  {_rlist(who)} wrote no record, and no other rank's record says where "
+                             f"{'they were' if len(who) > 1 else 'it was'}: every other member entered seq "
+                             f"{c['seq']} {c['what'][0]}, pending on {_rlist(on)}")
+        said = {}
+        for r, a in g["absent"].items():
+            said.setdefault(_absent_says(a, name), []).append(r)
+        for text, rs in said.items():
+            lines.append(f"  {_rlist(rs)}: missing (no record); {text}")
         lasts = Counter(c["straggler"][0][0] for c in calls if c["straggler"] and c["straggler"][1] is not None)
         top = lasts.most_common(2)
         if top and top[0][1] > 1 and (len(top) == 1 or top[0][1] > top[1][1]):
@@ -253,6 +341,22 @@ def report(recs, last=DEFAULT_LAST):
             lines.append(f"  last to enter most often: rank {r} ({k} of {len(calls)} calls, "
                          f"by {ago(int(sum(timed) / len(timed)))} on average)")
     return "\n".join(lines)
+
+
+def _absent_says(a, name):
+    """What the others' records say of a member without a file, for the line under its group's table."""
+    if a is None:
+        return "no other rank's record read its progress"
+    if a["entered"] is None:
+        return f"rank {a['by']} could not read its progress at its report (no answer: the process may have died)"
+    ent, done = a["entered"], a["done"]
+    text = f"at rank {a['by']}'s report its last call on group {name!r} was "
+    if not ent:
+        text = f"at rank {a['by']}'s report it had made no call on group {name!r}"
+    else:
+        text += (f"seq {ent} {a.get('collective') or '?'}, "
+                 + ("completed" if done >= ent else f"not completed (last completed: seq {done})"))
+    return text + ("; it had left its script" if a.get("exited") else "")
 
 
 def chrome(recs):
