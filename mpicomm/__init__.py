@@ -26,6 +26,7 @@ _LAZY = {
     "broadcast_parameters": "training.buckets",
     "set_auto_parallel_context": "training.context", "get_auto_parallel_context": "training.context",
     "reset_auto_parallel_context": "training.context",
+    "ParallelMode": "training.context", "GlobalComm": "training.context",
     "DistributedSampler": "training.sampler",
 }
 

@@ -21,6 +21,7 @@ from .._dtypes import BFLOAT16, FLOAT_NAMES
 from .._ops import ReduceOp, as_op
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
+from . import context as _context
 from .context import check_fusion_config, get_auto_parallel_context
 
 MIB = 1 << 20
@@ -532,36 +533,50 @@ class DistributedGradReducer:
     ``reducer.wait()`` at the end. Filling ``reducer.grad_views()`` directly avoids
     the packing copy.
 
+    MindSpore's positional order: ``DistributedGradReducer(parameters, mean, degree)``;
+    everything after ``degree`` is a keyword.
+
     parameters: the model's arrays (NumPy, CuPy or PyTorch), in registration order;
-        the gradients have their shapes, dtypes and devices.
-    mean: divide by the group size (None: the auto-parallel context's gradients_mean).
+        the gradients have their shapes, dtypes and devices. With the auto-parallel
+        context's ``parameter_broadcast=True`` they are overwritten here with group rank
+        0's (pass the parameters themselves, not copies).
+    mean: divide by the group size (None: the auto-parallel context's gradients_mean,
+        False by default as in MindSpore: the gradients are summed).
         Half-precision buckets are divided before the sum, so the sum cannot overflow.
+    degree: MindSpore's degree, the number of ranks the gradients come from: None or
+        the group's size (anything else raises; mpicomm takes it from the group).
     bucket_cap_mb: MiB per bucket (0: one all_reduce per tensor; None: one per dtype).
     fusion_config: MindSpore split points, e.g. [20, 35], used instead of the cap
         (None: the context's all_reduce_fusion_config when set, else the cap).
     compression: "fp16" or "bf16" sends float32 gradients in half precision.
-    fp32_sync: reduce float16/bfloat16 gradients in float32.
+    fp32_sync: reduce float16/bfloat16 gradients in float32 (None: the context's
+        gradient_fp32_sync where set_auto_parallel_context set it, else False).
     group: the group to reduce over (None: the world).
 
     Raises InvalidArgumentError naming the argument, the value and what is allowed,
     alike on every rank (ranks compare their arguments once, here).
     """
 
-    def __init__(self, parameters, mean=None, bucket_cap_mb=25.0, fusion_config=None,
-                 compression=None, fp32_sync=False, group=None):
+    def __init__(self, parameters, mean=None, degree=None, *, bucket_cap_mb=25.0, fusion_config=None,
+                 compression=None, fp32_sync=None, group=None):
         g = get_group(group)
         self.group = group
         self.size = g.size
         err, sig = None, None
         try:
+            if degree is not None and (isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer))
+                                       or degree != g.size):
+                raise invalid("degree", degree, f"None or {g.size}, the group's size (MindSpore's degree: the number "
+                              "of ranks whose gradients are reduced; mpicomm takes it from the group). "
+                              "bucket_cap_mb, fusion_config and the later arguments are keywords: "
+                              "DistributedGradReducer(parameters, mean, bucket_cap_mb=...)")
+            mean, fp32_sync, bcast = _context.reducer_settings(mean, fp32_sync)
             params = _as_list(parameters, "parameters")
             specs, keys = _key_plan(params, "parameters")
             for i, (fam, shape, dt, dev, nb) in enumerate(specs):
                 if fam.dtype_name(dt) not in _FLOAT_NAMES:
                     raise invalid(f"parameters[{i}].dtype", fam.dtype_name(dt),
                                   "a floating or complex dtype (" + ", ".join(_FLOAT_NAMES) + ")")
-            if mean is None:
-                mean = get_auto_parallel_context("gradients_mean")
             if not isinstance(mean, (bool, np.bool_)):
                 raise invalid("mean", mean, "True, False or None (the context's gradients_mean)")
             cap = check_bucket_cap_mb(bucket_cap_mb)
@@ -571,11 +586,12 @@ class DistributedGradReducer:
             if compression not in COMPRESSIONS:
                 raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
             if not isinstance(fp32_sync, (bool, np.bool_)):
-                raise invalid("fp32_sync", fp32_sync, "True or False")
+                raise invalid("fp32_sync", fp32_sync, "True or False (None: the context's gradient_fp32_sync "
+                              "where it was set, else False)")
             group_launch = env_bool("MPICOMM_BUCKET_GROUP", True)
             plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
             sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
-                   bool(fp32_sync))
+                   bool(fp32_sync), bool(bcast))
         except InvalidArgumentError as e:
             err = e
         # every rank raises alike, and ranks with different models are caught here, not in a hang
@@ -590,6 +606,9 @@ class DistributedGradReducer:
         if diff:
             raise invalid("parameters", f"{len(params)} arrays", "the same parameters (shapes, dtypes) "
                           f"and options on every rank of the group; rank(s) {diff} differ from rank 0")
+        if bcast:   # the context's parameter_broadcast: every rank starts from group rank 0's model
+            broadcast_parameters(params, root=0, group=group)
+        _context.reducer_made(self, g.size)
         self.mean = bool(mean)
         self.bucket_cap_mb = cap
         self.fusion_config = fc
