@@ -16,6 +16,7 @@ import numpy as np
 
 from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                    SCATTER, SEND, SENDRECV, ReduceOp, Sized, as_op)
+from ._backends.base import track
 from ._state import CTX, get_group
 from .errors import CollectiveMismatchError, invalid
 
@@ -33,7 +34,7 @@ def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=
     if g is None:
         g = get_group(group)
     if op.__class__ is not ReduceOp:
-        op = as_op(op)
+        op = _early(g, ALL_REDUCE, as_op, op)
     return g.call(ALL_REDUCE, x, out, op, async_op, stream)
 
 
@@ -48,7 +49,8 @@ def all_gather(x, out=None, group=None, async_op=False, stream=None, sizes=None)
     if g is None:
         g = get_group(group)
     if sizes is not None:
-        return g.call(ALL_GATHER, x, out, _sized(g, ALL_GATHER, x, None, sizes), async_op, stream)
+        return g.call(ALL_GATHER, x, out, _early(g, ALL_GATHER, _sized, g, ALL_GATHER, x, None, sizes),
+                      async_op, stream)
     return g.call(ALL_GATHER, x, out, None, async_op, stream)
 
 
@@ -63,12 +65,14 @@ def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, str
     if g is None:
         g = get_group(group)
     if op.__class__ is not ReduceOp:
-        op = as_op(op)
+        op = _early(g, REDUCE_SCATTER, as_op, op)
     if sizes is not None:
         if isinstance(sizes, str):
-            raise invalid("sizes", sizes, f"a sequence of {g.size} non-negative ints (reduce_scatter's "
-                          "sizes are the same on every rank, so there is nothing to exchange)")
-        return g.call(REDUCE_SCATTER, x, out, _sized(g, REDUCE_SCATTER, x, op, sizes), async_op, stream)
+            _early(g, REDUCE_SCATTER, _raise, invalid(
+                "sizes", sizes, f"a sequence of {g.size} non-negative ints (reduce_scatter's "
+                "sizes are the same on every rank, so there is nothing to exchange)"))
+        return g.call(REDUCE_SCATTER, x, out, _early(g, REDUCE_SCATTER, _sized, g, REDUCE_SCATTER, x, op, sizes),
+                      async_op, stream)
     return g.call(REDUCE_SCATTER, x, out, op, async_op, stream)
 
 
@@ -86,7 +90,7 @@ def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, str
     if g is None:
         g = get_group(group)
     if op.__class__ is not ReduceOp:
-        op = as_op(op)
+        op = _early(g, REDUCE, as_op, op)
     return g.call(REDUCE, x, out, (op, root), async_op, stream)
 
 
@@ -103,29 +107,44 @@ def all_to_all(x, out=None, group=None, async_op=False, stream=None, in_splits=N
     if g is None:
         g = get_group(group)
     if in_splits is not None or out_splits is not None:
-        return g.call(ALL_TO_ALL, x, out, _splits(g, x, in_splits, out_splits), async_op, stream)
+        return g.call(ALL_TO_ALL, x, out, _early(g, ALL_TO_ALL, _splits, g, x, in_splits, out_splits),
+                      async_op, stream)
     return g.call(ALL_TO_ALL, x, out, None, async_op, stream)
 
 
 def send(x, dst, group=None, tag=0, async_op=False, stream=None):
-    """Send ``x`` to rank ``dst`` of the group (matched by a ``recv`` there)."""
+    """Send ``x`` to rank ``dst`` of the group (matched by a ``recv`` there).
+
+    tag: an int in 0..MPI's TAG_UB; anything else raises InvalidArgumentError here, before
+    anything is sent."""
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
+    if tag.__class__ is not int or not 0 <= tag <= 32767:   # (above 32767: checked against TAG_UB)
+        tag = _check_tag(tag)
     d = g.disp
     if d.batch is not None:
         return d.batch_p2p(SEND, x, dst, tag, stream)
+    if async_op:
+        return track(d.point_to_point(SEND, x, dst, tag, async_op, stream))
     return d.point_to_point(SEND, x, dst, tag, async_op, stream)
 
 
 def recv(out, src, group=None, tag=0, async_op=False, stream=None):
-    """Receive into ``out`` from rank ``src`` of the group; returns ``out``."""
+    """Receive into ``out`` from rank ``src`` of the group; returns ``out``.
+
+    Raises CollectiveMismatchError (on this rank) when the message sent is larger than
+    ``out``, naming ``out``, its size and the size sent. There is no wildcard tag."""
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
+    if tag.__class__ is not int or not 0 <= tag <= 32767:
+        tag = _check_tag(tag)
     d = g.disp
     if d.batch is not None:
         return d.batch_p2p(RECV, out, src, tag, stream)
+    if async_op:
+        return track(d.point_to_point(RECV, out, src, tag, async_op, stream))
     return d.point_to_point(RECV, out, src, tag, async_op, stream)
 
 
@@ -140,11 +159,15 @@ def sendrecv(x, dst, out=None, src=None, group=None, tag=0, async_op=False, stre
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
+    if tag.__class__ is not int or not 0 <= tag <= 32767:
+        tag = _check_tag(tag)
     d = g.disp
     if src is None:
         src = dst
     if d.batch is not None:
         return d.batch_p2p(SENDRECV, x, dst, tag, stream, (out, src))
+    if async_op:
+        return track(d.point_to_point(SENDRECV, x, dst, tag, async_op, stream, (out, src)))
     return d.point_to_point(SENDRECV, x, dst, tag, async_op, stream, (out, src))
 
 
@@ -158,7 +181,7 @@ def gather(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=N
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    return g.call(GATHER, x, out, _sized(g, GATHER, x, root, sizes), async_op, stream)
+    return g.call(GATHER, x, out, _early(g, GATHER, _sized, g, GATHER, x, root, sizes), async_op, stream)
 
 
 def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=None):
@@ -174,13 +197,13 @@ def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
-    root = _root_of(g, root)
-    arg = _sized(g, SCATTER, x if g.rank == root else out, root, sizes)
+    root = _early(g, SCATTER, _root_of, g, root)
+    arg = _early(g, SCATTER, _sized, g, SCATTER, x if g.rank == root else out, root, sizes)
     if g.rank != root:
         if out is None:
             if arg[2] is None:
-                raise invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) "
-                              f"on every rank but the root {root}, or sizes='auto' on every rank (rank {g.rank})")
+                _early(g, SCATTER, _raise, invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) "
+                              f"on every rank but the root {root}, or sizes='auto' on every rank (rank {g.rank})"))
             out = arg[2]     # made from the root's facts, exchanged
         # x is not read here: out stands in for it, so a repeated call reuses its prepared call
         x = out
@@ -242,6 +265,8 @@ class P2POp:
             op = "recv"
         else:
             raise invalid("op", op, "mpicomm.send or mpicomm.recv (or 'send' / 'recv')")
+        if tag.__class__ is not int or not 0 <= tag <= 32767:
+            tag = _check_tag(tag)
         self.op, self.array, self.peer, self.group, self.tag = op, array, peer, group, tag
 
     def __repr__(self):
@@ -262,7 +287,59 @@ def batch_isend_irecv(ops):
     return works
 
 
+_TAG_UB = []   # MPI's TAG_UB, the largest tag (at least 32767), once looked up
+
+
+def _tag_ub():
+    """MPI's largest tag (the TAG_UB attribute of the world); None before init."""
+    if not _TAG_UB:
+        if not CTX.initialized:   # (importing mpi4py.MPI here would start MPI)
+            return None
+        from mpi4py import MPI
+
+        ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        _TAG_UB.append(int(ub) if ub is not None else 32767)
+    return _TAG_UB[0]
+
+
+def _check_tag(tag):
+    """``tag`` as an int in 0..TAG_UB, else InvalidArgumentError naming it, on the calling rank
+    before anything is sent. mpicomm has no wildcard: -1 is refused, never MPI's ANY_TAG.
+    (Before init, where TAG_UB is unknown, only the type and sign are checked.)"""
+    ub = _tag_ub()
+    ok = not isinstance(tag, bool) and hasattr(tag, "__index__")
+    if ok:
+        try:
+            t = int(tag.__index__())
+        except Exception:
+            ok = False
+        else:
+            ok = 0 <= t and (ub is None or t <= ub)
+    if not ok:
+        allowed = f"0..{ub} (0 to MPI's TAG_UB)" if ub is not None else "0..MPI's TAG_UB"
+        raise invalid("tag", tag, f"an int in {allowed}; a tag is never a wildcard, so -1 is not MPI's ANY_TAG")
+    return t
+
+
 # ---------------------------------------------------------------- per-rank sizes
+
+def _raise(e):
+    raise e
+
+
+def _early(g, code, fn, *args):
+    """``fn(*args)``, a check of collective ``code``'s arguments before the group's
+    dispatcher sees the call; when it raises, the refusal is published as the group's next
+    call (mpicomm._reliability.agreement), so that members whose arguments passed do not
+    wait in it, then raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        d = g.disp
+        if d is not None and d.check and g.size > 1:
+            d.refuse_early(code, e)   # raises e
+        raise
+
 
 def _root_of(g, root):
     if isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= root < g.size:

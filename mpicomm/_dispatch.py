@@ -114,7 +114,7 @@ class Dispatcher:
         m = self.mem
         b = self.row
         if m[b + 5]:     # POISON: a peer's report, or this rank's own resync due
-            self.poisoned(seq, code)
+            self.poisoned(seq, code, (x, out, arg, async_op, stream))
         m[b] = v
         k = seq & 7
         try:
@@ -145,7 +145,10 @@ class Dispatcher:
                 m[b + 1] = v
                 err = mpi_error(e, NAMES[code], seq, self.group.name)
                 if isinstance(err, CollectiveMismatchError) and self.check:
-                    self.disagree(seq, code, None, err)
+                    w = m[b + 14 + k]
+                    other = next((j for pm, pb, j in self.peers
+                                  if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
+                    self.disagree(seq, code, other, err if other is None else None)
                 raise err from e
             if self.check and isinstance(e, Exception) and not isinstance(e, CommunicationError) \
                     and self.group.size > 1:
@@ -201,6 +204,15 @@ class Dispatcher:
         for j, wr in self._members().items():
             rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
 
+    def _answer(self, k):
+        """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
+        and decides from it whether the group needs a fresh communicator."""
+        from ._reliability.agreement import publish_spec
+
+        sp = self.spec_for(k)
+        if sp is not None:
+            publish_spec(self.mem, self.row, k, sp)
+
     def _after(self, seq, entered):
         """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
         (MPI) when any rank entered it."""
@@ -214,34 +226,40 @@ class Dispatcher:
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
         ``err``): raise CollectiveMismatchError naming both calls, and tell every member."""
-        from ._reliability.agreement import publish_spec, read_row, spec_words, wait_rows
+        from ._reliability.agreement import publish_spec, spec_words, wait_rows
 
         g = self.group
         mine = self.spec_for(seq)
         name = NAMES.get(code, "?")
         if mine is not None:
             publish_spec(self.mem, self.row, seq, mine)
+        # tell first (the members' watchdogs then publish their calls of seq), describe after
+        self._tell(seq, f"{name} sequence {seq} on group {g.name!r}: the ranks called differently "
+                        f"({self._me()} found it)")
         calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
+        fresh = True    # whether messages of the call may be left unmatched (then: a fresh communicator)
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
                              lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
-                             timeout=1.0)
+                             timeout=SPEC_WAIT)
             sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
             other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
+            if sw is not None and mine is not None:
+                fresh = not _same_bytes(mine, PeerSpec(sw))
         elif err is not None:
             calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
         text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
                 + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
                 "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
-        self._tell(seq, text)
-        self.rel.progress.set_decision(True)
-        self._after(seq, True)
+        self.rel.progress.set_reason(text)
+        self.rel.progress.set_decision(fresh)
+        self._after(seq, fresh)
         raise CollectiveMismatchError(text)
 
-    def refuse(self, seq, code, e, reason):
+    def refuse(self, seq, code, e, reason, who=None):
         """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
         ``reason`` came first): publish the refusal, wait until every member has refused
         or entered, stand in for the call where members wait inside it, then raise."""
@@ -297,7 +315,28 @@ class Dispatcher:
                 self.rel.progress.set_decision(bool(entered) and not stood)
         if e is not None:
             raise e
+        if who is not None:   # the reporter's final words (it may have been describing still)
+            text, _ = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+            reason = text or reason
         raise _peer_error(reason)
+
+    def refuse_early(self, code, e):
+        """Collective ``code`` refused by a check before the dispatcher (``e``): published as
+        this rank's next call of the group, refused."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        seq = self.seq + 1
+        if m[b + 5]:
+            k, who = poison_fields(m[b + 5])
+            if who == self.group.ranks[self.group.rank] or k <= self.raised:
+                self.poisoned(seq, code)   # a resync due first
+        seq = self.seq = self.seq + 1
+        m[b] = seq << 4 | code
+        m[b + 3] = m[b]
+        if m[b + 5] and m[b + 5] >> 24 == seq:
+            m[b + 5] = 0   # a member's report about this very call: this rank refuses it too
+        self.refuse(seq, code, e, None)
 
     def _stand_in(self, code, spec):
         """Take part in call ``code`` as ``spec`` describes it, with scratch arrays (the result
@@ -341,8 +380,11 @@ class Dispatcher:
         if gpu:
             xp.cuda.get_current_stream().synchronize()
 
-    def poisoned(self, seq, code):
-        """Before call ``seq``: a member's report (POISON) or this rank's resync is due."""
+    def poisoned(self, seq, code, call=None):
+        """Before call ``seq``: a member's report (POISON) or this rank's resync is due.
+        ``call``: the call's (x, out, arg, async_op, stream), checked here when the report is
+        about this very call, so that a rank whose own arguments are refused raises its own
+        error (ranks that all refuse alike each raise theirs)."""
         from ._reliability.agreement import poison_fields
 
         m, b = self.mem, self.row
@@ -363,18 +405,36 @@ class Dispatcher:
         if k == seq:     # before taking part: refuse it too
             reason = self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
             m[b] = seq << 4 | code
-            self.refuse(seq, code, None, reason)
-        # k < seq: this rank's call k is over (it returned): the report is about it; the
-        # reporter decides (after a stand-in, if any) whether the group needs a fresh start
-        self.seq = seq - 1
+            own = None
+            if call is not None:
+                x, out, arg, async_op, stream = call
+                try:
+                    if arg.__class__ is Sized:
+                        self.plain().prepare_sized(code, x, out, arg, async_op, stream)
+                    else:   # (without debug mode's exchange: the members are not in it)
+                        self.plain().prepare(code, x, out, arg, async_op, stream)
+                except Exception as e:   # this rank's own arguments are refused too
+                    own = e
+            m[b + 3] = m[b]
+            self.refuse(seq, code, own, reason, who)
+        # k < seq: this rank's call k is over (it returned before the report came): it
+        # raises the report now, refusing call seq, so that members already inside call
+        # seq are stood in for and raise too (every rank's count of calls stays alike)
+        self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
         self._after(k, True if resync is None else resync)
-        raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
+        m[b] = seq << 4 | code
+        m[b + 3] = m[b]
+        reason = reason or f"rank {who} reported a disagreement in call {k}"
+        self.refuse(seq, code, _peer_error(
+            f"{reason} [{self._me()} had returned from call {k} before the report came; it raises it "
+            f"in its next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]"), None)
 
     def told(self, seq, j):
         """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
         (once it has decided, after its stand-in, whether the group needs a fresh start)."""
         who = self.group.ranks[j]
+        self._answer(seq)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
         m, b = self.mem, self.row
         if m[b + 5] and (m[b + 5] >> 24) == seq:
@@ -394,6 +454,7 @@ class Dispatcher:
             return
         m[b + 5] = 0
         m[b + 1] = seq << 4 | code
+        self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
         self._after(k, True if resync is None else resync)
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
@@ -517,6 +578,19 @@ class Dispatcher:
                 if w is not None and hasattr(w, "wait"):
                     w.wait()
         return works
+
+
+def _same_bytes(a, b):
+    """True when two calls differ only in what MPI does not see (dtype of the same size, op):
+    then every message of the call was matched, and the communicator needs no fresh start."""
+    from ._reliability.agreement import dtype_of
+
+    wa, wb = a.words(), b.words()
+    try:
+        sa, sb = dtype_of(a.dtype).itemsize, dtype_of(b.dtype).itemsize
+    except Exception:
+        return False
+    return wa[0] == wb[0] and wa[2] == wb[2] and wa[4:] == wb[4:] and sa == sb
 
 
 def _peer_error(reason):

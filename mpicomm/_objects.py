@@ -12,14 +12,18 @@ Every call pickles before it communicates, and a rank whose object cannot be pic
 sends, in place of the object, a note of the error through the same messages, so
 every rank that would otherwise wait raises the same InvalidArgumentError (a failed
 unpickle, where a class is missing on the receiver, raises on that rank only).
-The collective calls are published for the watchdog like any collective.
+The collective calls are published for the watchdog like any collective, and
+send_object / recv_object like a blocking send / recv (through the dispatcher's
+point_to_point): a call that never completes is reported after the timeout, naming the
+peer.
 """
 from __future__ import annotations
 
 import pickle
 
 from . import _ops
-from ._ops import ALL_GATHER, BROADCAST, REDUCE
+from ._backends.base import HostCall
+from ._ops import ALL_GATHER, BROADCAST, RECV, REDUCE, SEND
 from ._state import CTX, get_group
 from .errors import invalid
 
@@ -34,8 +38,20 @@ def _pkl(g):
     if c is None or c[0] is not g.mpi_comm:
         from mpi4py.util import pkl5
 
-        c = _CACHE[id(g)] = (g.mpi_comm, pkl5.Intracomm(g.mpi_comm))
+        c = _CACHE[id(g)] = [g.mpi_comm, pkl5.Intracomm(g.mpi_comm), False]
     return c[1]
+
+
+def _meet(g):
+    """Before the group's first gather, scatter or all_gather of objects: a barrier, inside
+    the watched call. pkl5 makes its own duplicate of the communicator at its first such
+    call (MPI_Comm_dup, which mpi4py runs holding the GIL): a rank that came late would
+    hold the others there, where the watchdog thread cannot run to report it. The barrier
+    releases the GIL while it waits; after it every rank is there and the dup is quick."""
+    c = _CACHE[id(g)]
+    if not c[2]:
+        g.mpi_comm.Barrier()
+        c[2] = True
 
 
 def _dump(obj, rank, arg="obj"):
@@ -96,9 +112,15 @@ def _peer(peer, g, arg):
 
 
 def _tag(tag):
-    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= 32767:
-        raise invalid("tag", tag, "an int in 0..32767 (MPI's smallest guaranteed tag range)")
-    return tag
+    """``tag`` as an int in 0..32767, else InvalidArgumentError (on this rank, before any message)."""
+    try:
+        t = int(tag.__index__()) if not isinstance(tag, bool) else -1
+    except Exception:
+        t = -1
+    if not 0 <= t <= 32767:
+        raise invalid("tag", tag, "an int in 0..32767 (MPI's smallest guaranteed tag range; a tag is never "
+                      "a wildcard, so -1 is not MPI's ANY_TAG)")
+    return t
 
 
 def _group(group):
@@ -115,7 +137,12 @@ def all_gather_object(obj, group=None):
     g = _group(group)
     c = _pkl(g)
     msg = _dump(obj, g.rank)
-    msgs = g.disp.watched(ALL_GATHER, lambda: c.allgather(msg))
+
+    def run():
+        _meet(g)
+        return c.allgather(msg)
+
+    msgs = g.disp.watched(ALL_GATHER, run)
     _raise(msgs)
     return [_load(m) for m in msgs]
 
@@ -148,6 +175,7 @@ def gather_object(obj, root=0, group=None):
     msg = _dump(obj, g.rank)
 
     def run():
+        _meet(g)
         msgs = c.gather(msg, root)
         bad = None
         if msgs is not None:
@@ -186,7 +214,12 @@ def scatter_object(objs=None, root=0, group=None):
                     msgs = [m] * n
                     break
                 msgs.append(m)
-    msg = g.disp.watched(getattr(_ops, "SCATTER", BROADCAST), lambda: c.scatter(msgs, root))
+
+    def run():
+        _meet(g)
+        return c.scatter(msgs, root)
+
+    msg = g.disp.watched(getattr(_ops, "SCATTER", BROADCAST), run)
     if _is_err(msg) and msg[2] == "objs":
         raise invalid("objs", msg[3], f"a list (or tuple) of {g.size} objects on root {root}, "
                       "one per group rank", msg[1])
@@ -205,7 +238,9 @@ def send_object(obj, dst, group=None, tag=0):
     dst = _peer(dst, g, "dst")
     tag = _tag(tag)
     msg = _dump(obj, g.rank)
-    _pkl(g).send(msg, dst, tag)
+    c = _pkl(g)
+    g.disp.point_to_point(SEND, HostCall(lambda: c.send(msg, dst, tag), "object (send_object)"), dst, tag,
+                          False, None)
     _raise([msg])
 
 
@@ -214,7 +249,9 @@ def recv_object(src, group=None, tag=0):
     g = _group(group)
     src = _peer(src, g, "src")
     tag = _tag(tag)
-    msg = _pkl(g).recv(None, src, tag)
+    c = _pkl(g)
+    msg = g.disp.point_to_point(RECV, HostCall(lambda: c.recv(None, src, tag), "object (recv_object)"), src, tag,
+                                False, None)
     _raise([msg])
     return _load(msg)
 

@@ -45,7 +45,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, che
     debug: compare every collective's arguments across ranks first (MPICOMM_DEBUG=1).
     abort_on_exception: an uncaught exception on any rank aborts the whole job.
     check: the agreement check of every call's signature across ranks (default
-        MPICOMM_CHECK, else off for now; docs/RELIABILITY.md says what it catches).
+        MPICOMM_CHECK, else on; docs/RELIABILITY.md says what it catches and costs).
 
     Under NCCL, selects GPU ``local_rank % device_count`` before creating the
     communicator. Calling init again with the same arguments does nothing; with
@@ -62,7 +62,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, che
     if debug is None:
         debug = env_bool("MPICOMM_DEBUG", False)
     if check is None:
-        check = env_bool("MPICOMM_CHECK", False)
+        check = env_bool("MPICOMM_CHECK", True)
     if not isinstance(check, bool):
         raise invalid("check", check, "True or False")
     name = _pick_backend(backend)

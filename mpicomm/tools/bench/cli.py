@@ -124,6 +124,9 @@ def _parser():
                         "its one-host shared-memory path (K/M/G suffixes; 0: always; off: never)")
     p.add_argument("--shm-piece", default=None, metavar="BYTES",
                    help="set MPICOMM_SHM_PIECE: the shared-memory path's pipelining piece (0: whole messages)")
+    p.add_argument("--check-cost", action="store_true",
+                   help="--percall: also time mpicomm with its agreement check turned off, in the same "
+                        "rounds (the check's cost per call; run with MPICOMM_CHECK=1)")
     p.add_argument("--debug", action="store_true",
                    help="mpicomm.init(debug=True): every collective first compares its arguments across ranks")
     p.add_argument("--shapes", default=None, help=f"gradient shapes for --coll buckets (default {SHAPES_FILE})")
@@ -329,9 +332,11 @@ def measure(b, coll, req):
     count, size = counts_for(coll, req, b.dt.itemsize, n)
     case = (CaseV if coll in VCOLLS else Case)(b, coll, count)
     fns = [case.oop, case.raw_oop, case.ip, case.raw_ip]
+    if getattr(a, "check_cost", False):
+        fns.append(_unchecked(case.oop or case.ip))
     b.clock.warm(fns, b.warmup())
     iters = b.iters_for(case.oop or case.ip)
-    t_oop, t_roop, t_ip, t_rip = b.clock.time(fns, iters, a.rounds, a.stat)
+    t_oop, t_roop, t_ip, t_rip, *t_off = b.clock.time(fns, iters, a.rounds, a.stat)
     row = {"coll": coll, "size": size, "count": count, "type": TYPE_NAMES[a.dtype],
            "redop": a.op if coll in REDUCING else "none", "root": b.root if coll in ROOTED else -1,
            "iters": iters}
@@ -343,12 +348,29 @@ def measure(b, coll, req):
         if a.check:
             wrong = b.comm.allreduce(int(chk()))  # summed over ranks
         row[key] = variant(coll, size, t, n, wrong)
+    if t_off:
+        row["unchecked"] = variant(coll, size, t_off[0], n)
+        del row["unchecked"]["wrong"]
+        row["checked_col"] = "oop" if case.oop is not None else "ip"
     for key, t in (("raw_oop", t_roop), ("raw_ip", t_rip)):
         row[key] = None
         if t is not None:
             row[key] = variant(coll, size, t, n)
             del row[key]["wrong"]
     return row
+
+
+def _unchecked(f):
+    """``f`` run with the world's agreement check off (turned off and on around each block)."""
+    import mpicomm
+    from mpicomm._reliability.agreement import set_checking
+
+    def g():
+        f()
+
+    d = mpicomm._state.CTX.world.disp
+    g.around = lambda start: set_checking(d, not start)
+    return g
 
 
 def run_sizes(b, progress):

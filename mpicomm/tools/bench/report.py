@@ -132,6 +132,11 @@ def percall_lines(row):
             s = "%9s  %8s  %6s" % ("N/A", "N/A", "N/A")
         out.append("%16s  %12d  %12s  %8.2f %s  %6s" % (row["coll"], row["size"], COLUMNS[col], v["time_us"],
                                                          s, wrong))
+    off = row.get("unchecked")
+    if off:
+        on = row[row["checked_col"]]["time_us"]
+        out.append("%16s  %12d  %12s  %8.2f  check off; the check costs %+.2f us per call" % (
+            row["coll"], row["size"], COLUMNS[row["checked_col"]], off["time_us"], on - off["time_us"]))
     return out
 
 

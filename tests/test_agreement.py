@@ -1,0 +1,227 @@
+"""The always-on agreement check: ranks that disagree on a call raise on every rank, with
+each rank's call named, and the group goes on.
+
+The contract these tests hold every case to (docs/RELIABILITY.md, "Agreement check"):
+every rank raises in the disagreeing call or, where it had already returned before the
+report came (a root whose broadcast was over), in its next call of the group; no rank
+returns a wrong result without raising; each rank raises within 2 s; and the call after
+that returns correct results on every rank (nothing of the failed call is left over).
+Cases that end the job instead (a rank blocked in a call that cannot complete) are in
+test_agreement_jobs.py.
+"""
+import time
+
+import numpy as np
+import pytest
+
+import mpicomm
+from mpicomm import CollectiveMismatchError, InvalidArgumentError, MpicommError
+
+pytestmark = pytest.mark.mpi
+
+LIMIT = 2.5   # s: the report reaches every rank within 2 s (slack for a crowded 2-core CI machine)
+
+
+def _attempt(fn):
+    t0 = time.monotonic()
+    try:
+        return fn(), None, time.monotonic() - t0
+    except MpicommError as e:
+        return None, e, time.monotonic() - t0
+
+
+def _verify(n, r, salt):
+    """A fresh call with rank-dependent random data, checked against its sum computed here."""
+    rng = [np.random.default_rng([salt, k]) for k in range(n)]
+    parts = [g.standard_normal(5) for g in rng]
+    got = mpicomm.all_reduce(parts[r])
+    np.testing.assert_allclose(got, np.sum(parts, axis=0), rtol=1e-12)
+
+
+def _run_case(n, r, case, salt, returns_ok=None):
+    """``case()`` disagrees on some rank; then the contract above. ``returns_ok(result)``:
+    where a rank may return normally (a root whose call was over before the report came, a
+    non-root of reduce), a check of what it returned. Returns this rank's error."""
+    res, err, took = _attempt(case)
+    if err is None:
+        assert returns_ok is not None and returns_ok(res), f"rank {r} returned {res!r} without raising"
+    else:
+        assert took < LIMIT, (took, err)
+        assert isinstance(err, (CollectiveMismatchError, InvalidArgumentError)), repr(err)
+    # the next call: a rank that had returned raises the report here (and takes no part, so
+    # the others raise its refusal); where it succeeds, its result is checked
+    _, err1, took1 = _attempt(lambda: _verify(n, r, salt + 1))
+    if err is None:
+        assert err1 is not None, f"rank {r} returned from the disagreeing call and its next call did not raise"
+    if err1 is not None:
+        assert took1 < LIMIT, (took1, err1)
+    _verify(n, r, salt + 2)   # nothing of the failed calls is left over
+    return err if err is not None else err1
+
+
+def _other(n, seed):
+    return int(np.random.default_rng(seed).integers(n))
+
+
+@pytest.fixture
+def multi(comm):
+    n = mpicomm.get_group_size()
+    if n < 2:
+        pytest.skip("a disagreement needs two ranks")
+    if mpicomm._state.CTX.debug or not mpicomm._state.CTX.check:
+        pytest.skip("the agreement check is off (MPICOMM_CHECK=0) or debug mode compares first")
+    return n, mpicomm.get_rank()
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "gather"])
+def test_dtype_disagreement(multi, coll):
+    """One rank passes int32 where the others pass float32 (same bytes: MPI would not
+    notice): every rank raises, naming both calls and "dtype"."""
+    n, r = multi
+    bad = _other(n, 11)
+    dt = np.int32 if r == bad else np.float32
+    x = (np.random.default_rng(r).standard_normal(4 * n) * 10).astype(dt)
+    calls = {"all_reduce": lambda: mpicomm.all_reduce(x),
+             "all_gather": lambda: mpicomm.all_gather(x),
+             "reduce_scatter": lambda: mpicomm.reduce_scatter(x),
+             "reduce": lambda: mpicomm.reduce(x, root=(bad + 1) % n),
+             "broadcast": lambda: mpicomm.broadcast(x, root=(bad + 1) % n),
+             "gather": lambda: mpicomm.gather(x, root=(bad + 1) % n)}
+    root = (bad + 1) % n
+    keep = x.copy()
+
+    # the root's data, computed here (the root is never the rank with the other dtype)
+    sent = (np.random.default_rng(root).standard_normal(4 * n) * 10).astype(np.float32)
+
+    def root_ok(res):   # a call that may be over before the report: its result must be right
+        if coll == "broadcast":   # the root, or a rank that got the root's data from the root
+            return r != bad and np.array_equal(res, sent) and (r != root or np.array_equal(res, keep))
+        return coll in ("reduce", "gather") and r != root and res is None   # non-roots get None
+
+    err = _run_case(n, r, calls[coll], 100, returns_ok=root_ok)
+    assert "dtype" in str(err) or "refused" in str(err) or "reported" in str(err), err
+
+
+def test_op_disagreement(multi):
+    n, r = multi
+    bad = _other(n, 12)
+    x = np.random.default_rng(r).standard_normal(6)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, op="max" if r == bad else "sum"), 200)
+    assert "op" in str(err), err
+
+
+def test_read_only_buffer_on_one_rank(multi):
+    """broadcast into a read-only array on one non-root rank: that rank raises its own
+    InvalidArgumentError; the others raise CollectiveMismatchError naming it and why."""
+    n, r = multi
+    bad = 1 + _other(n - 1, 14)
+    x = np.random.default_rng(r).standard_normal(4)
+    keep = x.copy()
+    if r == bad:
+        x.flags.writeable = False
+    sent = np.random.default_rng(0).standard_normal(4)
+    err = _run_case(n, r, lambda: mpicomm.broadcast(x, root=0), 400,
+                    returns_ok=lambda res: r != bad and np.array_equal(res, sent))
+    if r == bad:
+        assert isinstance(err, InvalidArgumentError) and "writable" in str(err), err
+    else:
+        assert f"rank {bad} refused broadcast" in str(err) and "writable" in str(err), err
+
+
+def test_bad_op_on_one_rank(multi):
+    """An op refused before the call reaches the dispatcher travels too."""
+    n, r = multi
+    bad = _other(n, 15)
+    x = np.random.default_rng(r).standard_normal(5)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, op="median" if r == bad else "sum"), 500)
+    assert "median" in str(err), err
+    assert isinstance(err, InvalidArgumentError), type(err)   # also for the others: the call was invalid
+
+
+def test_non_array_root_of_scatter(multi):
+    n, r = multi
+    x = np.arange(3.0 * n).reshape(n, 3)
+    err = _run_case(n, r, lambda: mpicomm.scatter("rows" if r == 0 else None, root=0, out=np.empty((1, 3))), 600)
+    assert "refused scatter" in str(err) or r == 0, err
+
+
+def test_wrong_out_shape_on_one_rank(multi):
+    n, r = multi
+    bad = _other(n, 16)
+    x = np.random.default_rng(r).standard_normal(8)
+    out = np.empty(7 if r == bad else 8)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, out=out), 700)
+    assert "out" in str(err), err
+
+
+def test_refusal_in_a_group(multi):
+    """The same in a group of every other rank: only its members take part."""
+    n, r = multi
+    if n < 3:
+        pytest.skip("a group of two needs three ranks to leave one out")
+    members = [0, 2] if n < 4 else [1, 3]
+    name = "agree-sub"
+    if r in members:
+        mpicomm.create_group(name, members)
+        k = mpicomm.get_rank(name)
+        x = np.random.default_rng(r).standard_normal(4)
+        res, err, took = _attempt(lambda: mpicomm.all_reduce(x, op="bogus" if k == 1 else "sum", group=name))
+        assert err is not None and took < LIMIT, (res, err)
+        parts = [np.random.default_rng([9, m]).standard_normal(3) for m in members]
+        np.testing.assert_allclose(mpicomm.all_reduce(parts[k], group=name), np.sum(parts, axis=0), rtol=1e-12)
+        mpicomm.destroy_group(name)
+    mpicomm.barrier()
+    _verify(n, r, 800)
+
+
+FIELDS = ("dtype", "op", "refuse_op", "refuse_out")
+COLLS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "all_to_all")
+
+
+def test_randomized_disagreements(multi):
+    """A fixed-seed random walk over collectives, dtypes, sizes and the field one random rank
+    gets wrong (or the argument it refuses): every case holds the contract."""
+    n, r = multi
+    rng = np.random.default_rng(2026)   # the same choices on every rank
+    cases = 200 if n <= 2 else 120
+    for c in range(cases):
+        coll = COLLS[rng.integers(len(COLLS))]
+        field = FIELDS[rng.integers(len(FIELDS))]
+        if field == "op" and coll not in ("all_reduce", "reduce_scatter", "reduce"):
+            field = "dtype"
+        bad = int(rng.integers(n))
+        k = int(rng.integers(1, 9))
+        dt = (np.float32, np.float64)[rng.integers(2)]
+        odd = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}[np.dtype(dt)]
+        mine = odd if (field == "dtype" and r == bad) else dt
+        x = (np.random.default_rng([c, r]).standard_normal(k * n) * 100).astype(mine)
+        op = "max" if (field == "op" and r == bad) else "sum"
+        if field == "refuse_op" and r == bad:
+            op = "bogus"
+        root = (bad + 1) % n
+        out = None
+        if field == "refuse_out" and r == bad and coll != "broadcast":
+            out = np.empty(k * n + 1, mine)
+        ro = field == "refuse_out" and r == bad and coll == "broadcast"
+        if ro:
+            x.flags.writeable = False
+        keep = x.copy()
+        call = {"all_reduce": lambda: mpicomm.all_reduce(x, op=op, out=out),
+                "all_gather": lambda: mpicomm.all_gather(x, out=out),
+                "reduce_scatter": lambda: mpicomm.reduce_scatter(x, op=op, out=out),
+                "reduce": lambda: mpicomm.reduce(x, op=op, root=root, out=out),
+                "broadcast": lambda: mpicomm.broadcast(x, root=root),
+                "all_to_all": lambda: mpicomm.all_to_all(x, out=out)}[coll]
+        if field in ("refuse_op", "op") and coll in ("all_gather", "broadcast", "all_to_all"):
+            continue   # no op there: the case would agree
+
+        sent = (np.random.default_rng([c, root]).standard_normal(k * n) * 100).astype(dt)
+
+        def ok(res, coll=coll, root=root, sent=sent):
+            if coll == "broadcast":   # the root's data, on the root or a rank it reached first
+                return np.array_equal(res, sent)
+            if coll == "reduce":
+                return r != root and res is None
+            return False
+
+        _run_case(n, r, call, 1000 + 10 * c, returns_ok=ok)

@@ -1,0 +1,68 @@
+"""Disagreements that no rank can recover from, each in its own job: a rank blocked in a
+call that cannot complete (another collective, a count that makes MPI wait, another root).
+The watchdog names the disagreement, with every rank's call, within 2 s of the wait (not
+at the timeout), and the job ends with a non-zero status. The timeout here is 60 s, so a
+report that came from the timeout would fail the time limit."""
+import subprocess
+import time
+
+import pytest
+
+from conftest import clean_mpi_env, mpirun_argv
+from launch_support import spawns_mpirun
+
+HEAD = r"""
+import sys, time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+x = np.random.default_rng(r).standard_normal(8)
+mpicomm.all_reduce(x)    # everyone is up
+mpicomm.barrier()
+t0 = time.monotonic()
+"""
+
+CASES = {
+    # every rank but the last calls all_reduce, the last all_gather
+    "collective": ("mpicomm.all_reduce(x) if r < n - 1 else mpicomm.all_gather(x)",
+                   ["all_reduce of 8 x float64", "all_gather of 8 x float64"]),
+    # the issue's case: 100,000 against 100,001 float32 (the shared-memory path at 3 ranks)
+    "count": ("mpicomm.all_reduce(np.ones(100000 + (r == n - 1), np.float32))",
+              ["100000 x float32", "100001 x float32"]),
+    # two roots: both wait for the other's data
+    "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)", ["root 0", f"root"]),
+}
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_blocked_disagreement_ends_the_job_naming_each_call(tmp_path, case, n):
+    code, words = CASES[case]
+    script = tmp_path / "case.py"
+    script.write_text(HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n")
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path),
+                         "MPICOMM_CHECK": "1"})
+    t0 = time.monotonic()
+    p = subprocess.run(mpirun_argv(n, str(script)), env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    err = p.stderr
+    assert p.returncode != 0, (p.stdout, err)
+    reports = [ln for ln in err.splitlines() if "CollectiveMismatchError:" in ln]
+    assert reports, err
+    # the reports name every call that differs, as the ranks made them
+    assert all(w in "\n".join(reports) for w in words), reports
+    assert "did not complete within 60 s" not in err, err
+    assert took < 40, took   # start-up, 1-3 s of waiting, the report and the abort; not the 60 s timeout
+
+
+@spawns_mpirun
+def test_check_off_leaves_it_to_the_timeout(tmp_path):
+    """MPICOMM_CHECK=0: the same blocked disagreement is found only by the timeout (what the
+    check buys)."""
+    script = tmp_path / "case.py"
+    script.write_text(HEAD + CASES["collective"][0] + "\n")
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "6", "MPICOMM_CHECK": "0",
+                         "MPICOMM_TRACE_DIR": str(tmp_path)})
+    p = subprocess.run(mpirun_argv(2, str(script)), env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "CollectiveTimeoutError" in p.stderr and "CollectiveMismatchError" not in p.stderr, p.stderr
