@@ -170,8 +170,10 @@ class Dispatcher:
 
     # ------------------------------------------------------ the agreement check
     def _me(self):
+        """'rank 3', or 'rank 3 (rank 1 of group 'g')' in a group that is not the world."""
         g = self.group
-        return f"rank {g.ranks[g.rank]}" + (f" (rank {g.rank} of group {g.name!r})" if g.ranks != tuple(range(len(g.ranks))) or g.name != "world" else "")
+        wr = g.ranks[g.rank]
+        return f"rank {wr}" if g.name == "world" else f"rank {wr} (rank {g.rank} of group {g.name!r})"
 
     def spec_for(self, seq):
         """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call)."""
@@ -263,7 +265,7 @@ class Dispatcher:
         """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
         ``reason`` came first): publish the refusal, wait until every member has refused
         or entered, stand in for the call where members wait inside it, then raise."""
-        from ._reliability.agreement import ring_word, pending, spec_words, wait_rows
+        from ._reliability.agreement import ring_word, spec_words, wait_rows
 
         from ._callspec import REFUSED as _R
 
@@ -277,13 +279,13 @@ class Dispatcher:
         if e is not None:
             text = f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
             self._tell(seq, text)
+        else:   # told by a member: its words, for the members that read this rank's refusal
+            self.rel.progress.set_reason(reason)
         members = self._members()
         if self.slots is None:
             self._after(seq, False)
             m[b + 1] = m[b]
             raise e if e is not None else CollectiveMismatchError(reason)
-        nccl = hasattr(self.plain(), "nccl")
-
         t0 = time.monotonic()
 
         def decided(rows):
@@ -311,8 +313,7 @@ class Dispatcher:
         finally:
             m[b + 1] = m[b]
             self._after(seq, bool(entered) and not stood)
-            if e is not None:
-                self.rel.progress.set_decision(bool(entered) and not stood)
+            self.rel.progress.set_decision(bool(entered) and not stood)
         if e is not None:
             raise e
         if who is not None:   # the reporter's final words (it may have been describing still)
@@ -421,14 +422,19 @@ class Dispatcher:
         # raises the report now, refusing call seq, so that members already inside call
         # seq are stood in for and raise too (every rank's count of calls stays alike)
         self._answer(k)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
-        self._after(k, True if resync is None else resync)
         m[b] = seq << 4 | code
         m[b + 3] = m[b]
-        reason = reason or f"rank {who} reported a disagreement in call {k}"
-        self.refuse(seq, code, _peer_error(
-            f"{reason} [{self._me()} had returned from call {k} before the report came; it raises it "
-            f"in its next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]"), None)
+        late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
+                f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]")
+        err = _peer_error((self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}")
+                          + late)
+        try:   # refused at once: members already inside call seq are stood in for without delay
+            self.refuse(seq, code, err, None)
+        finally:   # the reporter's final words and decision (it may still be describing)
+            reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+            self._after(k, True if resync is None else resync)
+            if reason:
+                err.args = (reason + late,)
 
     def told(self, seq, j):
         """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -172,6 +172,29 @@ if want embed; then  # the wrapper's and reducer's GPU tests, its CPU tests on M
     grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
     step "train-torch-np$NGPU" 120 "${MPI[@]}" "$NGPU" "$PY" scripts/train_torch.py --min-accuracy 0.95 --log-every 1000
     bench_ddp 5 300 --modes none,ddp,mpicomm,mpicomm_dense
+fi
+if want agree; then  # the agreement check on NCCL: its tests, every GPU test, its cost per call, large sizes
+    step "gpu-agreement-tests-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" -s tests/test_gpu_agreement.py tests/test_agreement.py
+    grep -a -E "^[0-9]+ (passed|failed)|failed|CollectiveMismatchError: rank" "$LOG" | tail -3 >>"$SUM"
+    step "gpu-all-tests-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu.py tests/test_gpu_inplace.py \
+        tests/test_gpu_torch.py tests/test_gpu_uneven.py tests/test_collectives.py
+    grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
+    for a in cupy torch; do
+        step "percall-check-$a" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --rounds 20 --array "$a" \
+            --json "$RES/percall_check_$a.json"
+        grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
+    done
+fi
+if want rows4; then  # the 4-GPU rows: agreement tests, per-call cost (CuPy, PyTorch), the DDP comparison
+    step "gpu-agreement-tests-np$NGPU" 150 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_agreement.py tests/test_agreement.py
+    grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
+    for a in cupy torch; do
+        step "percall-$a-np$NGPU" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --array "$a" \
+            --json "$RES/percall_${a}_np$NGPU.json"
+        grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
+    done
+    step "bench-ddp-np$NGPU" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_ddp.py --rounds 3 --json "$RES/bench_ddp_np$NGPU.json"
+    grep -a -A8 "^# bench_ddp: $NGPU x" "$LOG" | tail -9 >>"$SUM"
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

@@ -116,7 +116,6 @@ def test_read_only_buffer_on_one_rank(multi):
     n, r = multi
     bad = 1 + _other(n - 1, 14)
     x = np.random.default_rng(r).standard_normal(4)
-    keep = x.copy()
     if r == bad:
         x.flags.writeable = False
     sent = np.random.default_rng(0).standard_normal(4)
@@ -140,7 +139,6 @@ def test_bad_op_on_one_rank(multi):
 
 def test_non_array_root_of_scatter(multi):
     n, r = multi
-    x = np.arange(3.0 * n).reshape(n, 3)
     err = _run_case(n, r, lambda: mpicomm.scatter("rows" if r == 0 else None, root=0, out=np.empty((1, 3))), 600)
     assert "refused scatter" in str(err) or r == 0, err
 
@@ -205,7 +203,6 @@ def test_randomized_disagreements(multi):
         ro = field == "refuse_out" and r == bad and coll == "broadcast"
         if ro:
             x.flags.writeable = False
-        keep = x.copy()
         call = {"all_reduce": lambda: mpicomm.all_reduce(x, op=op, out=out),
                 "all_gather": lambda: mpicomm.all_gather(x, out=out),
                 "reduce_scatter": lambda: mpicomm.reduce_scatter(x, op=op, out=out),

@@ -29,7 +29,7 @@ CASES = {
     "count": ("mpicomm.all_reduce(np.ones(100000 + (r == n - 1), np.float32))",
               ["100000 x float32", "100001 x float32"]),
     # two roots: both wait for the other's data
-    "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)", ["root 0", f"root"]),
+    "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)", ["root 0", "root"]),
 }
 
 

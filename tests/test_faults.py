@@ -61,9 +61,9 @@ def run(n, mode, gpu=False, limit=120, env=None, token=None):
     return subprocess.CompletedProcess(argv, proc.returncode, out, err), time.monotonic() - t0
 
 
-def timeout_report(n, mode):
+def timeout_report(n, mode, env=None):
     """Run ``mode`` at ``n`` ranks, which must end by the timeout: (process, rank 0's report match)."""
-    p, took = run(n, mode, limit=TIMEOUT + 60)
+    p, took = run(n, mode, limit=TIMEOUT + 60, env=env)
     assert p.returncode != 0 and took < TIMEOUT + 15, took
     m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
     assert m, p.stderr
@@ -136,19 +136,34 @@ def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
 
 
 def test_different_collectives_at_one_sequence_name_the_odd_rank():
-    """Three ranks in all_reduce and one in barrier at sequence 2: the report names the rank
-    in the other collective, instead of blaming the transport."""
-    p, m = timeout_report(4, "other_collective")
+    """Three ranks in all_reduce and one in barrier at sequence 2, with the agreement check
+    off: the timeout's report names the rank in the other collective, instead of blaming the
+    transport."""
+    p, m = timeout_report(4, "other_collective", env={"MPICOMM_CHECK": "0"})
     assert "all_reduce sequence 2 on group 'world'" in m.group(1)
     assert "Rank 3 is in another collective at sequence 2: the ranks called different collectives" in m.group(1)
     assert re.search(r"^  rank 3: in barrier sequence 2 on group 'world', not all_reduce$", p.stderr, re.M), p.stderr
     assert "stuck in the transport" not in p.stderr
 
 
+def test_different_collectives_are_named_within_seconds_with_the_check():
+    """The same with the agreement check on (the default): every waiting rank names the
+    disagreement, each rank's call, a second or two after entering, and the job ends."""
+    p, took = run(4, "other_collective", limit=120, env={"MPICOMM_TIMEOUT": "60"})
+    assert p.returncode != 0 and took < 30, took   # start-up, ~1-2 s of waiting; not the 60 s timeout
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveMismatchError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    assert "all_reduce sequence 2 on group 'world': the ranks called differently" in m.group(1), m.group(1)
+    assert "rank 3: barrier" in m.group(1) and "rank 0: all_reduce of 4 x float32" in m.group(1), m.group(1)
+    assert "CollectiveTimeoutError" not in p.stderr
+
+
 def test_a_caught_local_error_is_named_by_the_peers():
-    """Rank 1's all_reduce fails its out= check and rank 1 catches it: rank 0, waiting in
-    that all_reduce, is told that rank 1 raised there and did not take part."""
-    p, m = timeout_report(2, "caught_raise")
+    """Rank 1's all_reduce fails its out= check and rank 1 catches it (agreement check off):
+    rank 0, waiting in that all_reduce, is told at the timeout that rank 1 raised there and
+    did not take part. (With the check on, rank 0 raises CollectiveMismatchError naming rank 1
+    and its reason at once: tests/test_agreement.py.)"""
+    p, m = timeout_report(2, "caught_raise", env={"MPICOMM_CHECK": "0"})
     assert "Rank 1 has raised an error in this call and did not take part" in m.group(1)
     assert re.search(r"^  rank 1: raised an error in its all_reduce sequence 2 on group 'world' and did not "
                      r"take part .*; now past it, at sequence 2$", p.stderr, re.M), p.stderr
@@ -300,13 +315,25 @@ def test_different_shapes_without_debug_mode():
     # Open MPI's all_reduce of 4 vs 5 floats truncates on the rank with fewer and "succeeds"
     # on the other with data that is partly its own: a silent error. Debug mode catches it.
     # The truncation that MPI reports on rank 0 becomes CollectiveMismatchError naming the call.
-    p, _ = run(2, "shapes_nodebug", limit=60)
+    # (With the agreement check, the default, both ranks raise: the test after this one.)
+    p, _ = run(2, "shapes_nodebug", limit=60, env={"MPICOMM_CHECK": "0"})
     res = results(p)
     assert len(res[0]) == 1 and res[0][0].startswith(
         "raised CollectiveMismatchError | all_reduce sequence 1 on group 'world': MPI received a longer message "
         "than this rank's call makes room for (MPI_ERR_TRUNCATE: message truncated)"), p.stdout + p.stderr
     assert "Rerun with MPICOMM_DEBUG=1" in res[0][0]
     assert res[1] == ["no-error"]
+
+
+def test_different_shapes_raise_on_both_ranks_with_the_check():
+    """all_reduce of 4 floats on rank 0 and 5 on rank 1, the agreement check on: neither rank
+    returns; both raise CollectiveMismatchError naming both counts."""
+    p, _ = run(2, "shapes_nodebug", limit=60)
+    res = results(p)
+    for r in (0, 1):
+        assert len(res[r]) == 1 and res[r][0].startswith("raised CollectiveMismatchError | all_reduce sequence 1"), \
+            p.stdout + p.stderr
+    assert any("4 x float32" in res[r][0] and "5 x float32" in res[r][0] for r in (0, 1)), res
 
 
 @pytest.mark.parametrize("gpu", [CPU, GPU])

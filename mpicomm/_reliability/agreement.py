@@ -135,8 +135,6 @@ def read_row(progress, wrank, slot):
 def ring_word(row, seq):
     """The ring word a row holds for ``seq``: (word or 0, state) with state 'refused',
     'entered', 'behind' (not there yet) or 'ahead' (entered and moved past the ring)."""
-    from .._callspec import REFUSED
-
     w = int(row[RING + (seq % RING_N)])
     if w >> 32 == seq:
         return w, ("refused" if w & 0xFFFFFFFF == REFUSED else "entered")

@@ -41,6 +41,7 @@ class Watchdog:
         self.lagging = []              # the ranks the last diagnosis found not in the call
         self._p2p_seen = None          # (P2P word, first seen) of the send/recv in progress
         self._compared = set()         # (row, entered word) whose members' signatures were compared
+        self._refused_seen = {}        # (row, seq) -> when a member's refusal of it was first seen
         self._dump_seen = 0            # the last DUMP stamp answered
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
@@ -147,8 +148,10 @@ class Watchdog:
             k, who = agr.poison_fields(pw)
             if who != self.progress.wrank and k <= e >> 4:
                 want = k
-        if want is None and e != d:
-            want = e >> 4
+        if want is None and e != d:   # the call waiting now, unless this rank refused it (no spec:
+            w = m[base + agr.RING + (e >> 4) % agr.RING_N]   # the SPEC words keep the reported call's)
+            if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
+                want = e >> 4
         if want is None or m[base + SPECSEQ] == want:
             return
         sp = disp.spec_for(want)
@@ -171,15 +174,16 @@ class Watchdog:
                 why = self.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
-        if key in self._compared and waited < agr.REFUSAL_WAIT:
+        if key in self._compared and key not in self._refused_seen:
             return False
         self._compared.add(key)
         if len(self._compared) > 4096:
             self._compared.clear()
+            self._refused_seen.clear()
         mine = int(m[b - ENTERED + agr.RING + seq % agr.RING_N])
         if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
             return False   # this rank refused the call: its refusal is in progress
-        bad, refused, lines = [], [], []
+        bad, refused = [], []
         for j, wr in enumerate(g.ranks):
             if j == g.rank:
                 continue
@@ -191,9 +195,12 @@ class Watchdog:
                 refused.append(wr)
             elif st == "entered" and w != mine:
                 bad.append((j, wr, row))
-        if refused and waited >= agr.REFUSAL_WAIT:
-            why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
-            return self._fire_mismatch(g, seq, why, waited)
+        if refused:   # the refusing rank stands in for this call: fire only if that does not come
+            first = self._refused_seen.setdefault(key, time.monotonic())
+            if time.monotonic() - first >= agr.REFUSAL_WAIT:
+                why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
+                return self._fire_mismatch(g, seq, why, waited)
+            return False
         if not bad:
             return False
         from .._callspec import PeerSpec
@@ -300,6 +307,8 @@ class Watchdog:
                 events[b] = (d, e, now, t.last_what, g)
                 continue
             d0, e, t0, what, g0 = ev
+            if not e.done and now - t0 >= agr.WAIT_CHECK and self._disagreement(g0, b, d0 >> 4, now - t0):
+                return
             if not e.done and (now - t0 >= self.timeout
                                or (now - t0 >= EXIT_CHECK and self._peer_exited(g0, d0 >> 4))):
                 desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
@@ -331,7 +340,8 @@ class Watchdog:
                          f"{rank_prefix()}aborting the job" + (f" with exit status {code}" if code != 1 else "")
                          + "\n")
         sys.stderr.flush()   # the report is out before the record is written
-        sys.stderr.write(self._flight_line("early exit" if early else ("mismatch" if kind == "CollectiveMismatchError" else "timeout")))
+        reason = "early exit" if early else ("mismatch" if kind == "CollectiveMismatchError" else "timeout")
+        sys.stderr.write(self._flight_line(reason))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE, code=code)
