@@ -24,6 +24,7 @@ from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES,
                    SCATTER, ReduceOp, Sized)
 
 REFUSED = 0xFFFFFFFF        # the sig of a call this rank refused (an argument error, or a peer's report)
+GPU = 0x100                 # in the first word: the call's arrays are GPU arrays
 SPEC_WORDS = 7              # code, dtype, count, op + 1, root + 1, tail hash, sizes hash
 _OPS = tuple(ReduceOp)
 _DTYPES = {}                # dtype id -> name (every name this process has seen, and the common ones)
@@ -55,9 +56,9 @@ for _n in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64
 class CallSpec:
     """The agreed facts of one call (see the module docstring)."""
 
-    __slots__ = ("code", "dtype", "count", "op", "root", "tail", "sizes", "sig", "_words")
+    __slots__ = ("code", "dtype", "count", "op", "root", "tail", "sizes", "gpu", "sig", "_words")
 
-    def __init__(self, code, dtype="", count=0, op=None, root=None, tail=None, sizes=None):
+    def __init__(self, code, dtype="", count=0, op=None, root=None, tail=None, sizes=None, gpu=False):
         self.code = code
         self.dtype = dtype          # the dtype's name ('' for calls without an array)
         self.count = count          # elements every rank passes (0 where they differ by design)
@@ -65,7 +66,8 @@ class CallSpec:
         self.root = root            # a group rank or None
         self.tail = tail            # the trailing shape (x.shape[1:]) where it must agree, else None
         self.sizes = sizes          # per-rank sizes / splits of an uneven call, else None
-        w = self._words = (code, dtype_id(dtype) if dtype else 0, count,
+        self.gpu = gpu              # a GPU array (NCCL), else host memory (MPI)
+        w = self._words = (code | (GPU if gpu else 0), dtype_id(dtype) if dtype else 0, count,
                            _OPS.index(op) + 1 if op is not None else 0,
                            root + 1 if root is not None else 0,
                            _crc(repr(tail)) if tail is not None else 0,
@@ -92,12 +94,15 @@ class CallSpec:
             text += f", root {self.root}"
         if self.sizes is not None:
             text += f", sizes {_shape(self.sizes)}"
-        return text
+        return text + (" (GPU arrays)" if self.gpu else "")
 
     def diff(self, other):
         """The fields in which ``other`` (a CallSpec or a PeerSpec) differs, in words."""
         a, b = self.words(), other.words()
-        names = ("collective", "dtype", "element count", "op", "root", "trailing shape", "sizes")
+        a = (a[0] & 0xFF, a[0] & GPU) + a[1:]
+        b = (b[0] & 0xFF, b[0] & GPU) + b[1:]
+        names = ("collective", "GPU or host arrays", "dtype", "element count", "op", "root", "trailing shape",
+                 "sizes")
         return ", ".join(n for n, x, y in zip(names, a, b) if x != y) or "the call"
 
 
@@ -114,11 +119,15 @@ class PeerSpec:
 
     @property
     def code(self):
-        return self._words[0]
+        return self._words[0] & 0xFF
+
+    @property
+    def gpu(self):
+        return bool(self._words[0] & GPU)
 
     @property
     def name(self):
-        return NAMES.get(self._words[0], f"collective #{self._words[0]}")
+        return NAMES.get(self.code, f"collective #{self.code}")
 
     @property
     def dtype(self):
@@ -156,7 +165,7 @@ class PeerSpec:
             text += ", other sizes"
         elif sizes:
             text += ", per-rank sizes"
-        return text
+        return text + (" (GPU arrays)" if self.gpu else "")
 
 
 def _shape(t):
@@ -173,6 +182,9 @@ def _count(x):
 def spec_of(code, x, out, arg, size, rank):
     """The CallSpec of collective ``code`` on ``x`` with ``arg``, on group rank ``rank`` of a
     group of ``size`` ranks."""
+    from ._arrays import is_gpu_array
+
+    gpu = is_gpu_array(x) if x is not None else False
     shape = tuple(getattr(x, "shape", ()) or ())
     dt = dtype_name(getattr(x, "dtype", ""))
     count = _count(x) if hasattr(x, "shape") else 0
@@ -180,28 +192,28 @@ def spec_of(code, x, out, arg, size, rank):
     if arg.__class__ is Sized:
         base, sizes, out_sizes = arg
         if code == ALL_TO_ALL:   # in and out splits pair up between ranks: not one value
-            return CallSpec(code, dt, 0, tail=tail)
+            return CallSpec(code, dt, 0, tail=tail, gpu=gpu)
         if code == REDUCE_SCATTER:
-            return CallSpec(code, dt, count, op=base, sizes=sizes)
+            return CallSpec(code, dt, count, op=base, sizes=sizes, gpu=gpu)
         if code == GATHER:
-            return CallSpec(code, dt, 0 if sizes is not None else count, root=base, tail=tail, sizes=sizes)
+            return CallSpec(code, dt, 0 if sizes is not None else count, root=base, tail=tail, sizes=sizes, gpu=gpu)
         if code == SCATTER:
             if sizes is not None:
-                return CallSpec(code, dt, 0, root=base, tail=tail, sizes=sizes)
+                return CallSpec(code, dt, 0, root=base, tail=tail, sizes=sizes, gpu=gpu)
             # x is the root's whole array there, this rank's part elsewhere
-            return CallSpec(code, dt, count // size if rank == base and size else count, root=base, tail=tail)
+            return CallSpec(code, dt, count // size if rank == base and size else count, root=base, tail=tail, gpu=gpu)
         if code == ALL_GATHER:
-            return CallSpec(code, dt, 0 if sizes is not None else count, tail=tail, sizes=sizes)
-        return CallSpec(code, dt, count, sizes=sizes)
+            return CallSpec(code, dt, 0 if sizes is not None else count, tail=tail, sizes=sizes, gpu=gpu)
+        return CallSpec(code, dt, count, sizes=sizes, gpu=gpu)
     if code == ALL_REDUCE or code == REDUCE_SCATTER:
-        return CallSpec(code, dt, count, op=arg)
+        return CallSpec(code, dt, count, op=arg, gpu=gpu)
     if code == BROADCAST:
-        return CallSpec(code, dt, count, root=arg)
+        return CallSpec(code, dt, count, root=arg, gpu=gpu)
     if code == REDUCE:
-        return CallSpec(code, dt, count, op=arg[0], root=arg[1])
+        return CallSpec(code, dt, count, op=arg[0], root=arg[1], gpu=gpu)
     if code == ALL_GATHER or code == ALL_TO_ALL:
-        return CallSpec(code, dt, count, tail=tail)
-    return CallSpec(code, dt, count)
+        return CallSpec(code, dt, count, tail=tail, gpu=gpu)
+    return CallSpec(code, dt, count, gpu=gpu)
 
 
 _PLAIN = {}

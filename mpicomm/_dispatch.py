@@ -206,6 +206,11 @@ class Dispatcher:
         for j, wr in self._members().items():
             rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
 
+    def _decision_wait(self):
+        """Seconds to wait for a reporter's decision on a fresh communicator: on MPI (where the
+        members must decide alike), else none (NCCL's communicator is never replaced)."""
+        return 0 if hasattr(self.plain(), "nccl") else SPEC_WAIT + 2
+
     def _answer(self, k):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
         and decides from it whether the group needs a fresh communicator."""
@@ -223,7 +228,8 @@ class Dispatcher:
         self.raised = max(self.raised, seq)
         if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
             self.resync = True
-            self.mem[self.row + 5] = poison_word(seq, self.group.ranks[self.group.rank])
+            if not self.mem[self.row + 5]:   # (a member's report there brings the next call here too)
+                self.mem[self.row + 5] = poison_word(seq, self.group.ranks[self.group.rank])
 
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
@@ -239,7 +245,9 @@ class Dispatcher:
         self._tell(seq, f"{name} sequence {seq} on group {g.name!r}: the ranks called differently "
                         f"({self._me()} found it)")
         calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
-        fresh = True    # whether messages of the call may be left unmatched (then: a fresh communicator)
+        # whether messages of the call may be left unmatched (then: a fresh communicator): where
+        # the peer's call could not be described, only MPI's own truncation error says so
+        fresh = err is not None
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
@@ -271,16 +279,17 @@ class Dispatcher:
 
         g = self.group
         m, b = self.mem, self.row
+        name = NAMES.get(code, "?")
+        # the words first (a member that sees the refusal reads them at once), then the refusal
+        text = (f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
+                if e is not None else reason)
+        self.rel.progress.set_reason(text)
         w = seq << 32 | _R
         m[b + 14 + (seq & 7)] = w
         if self.shr is not None:
             self.shr[self.shb + (seq & 7)] = w
-        name = NAMES.get(code, "?")
         if e is not None:
-            text = f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
             self._tell(seq, text)
-        else:   # told by a member: its words, for the members that read this rank's refusal
-            self.rel.progress.set_reason(reason)
         members = self._members()
         if self.slots is None:
             self._after(seq, False)
@@ -317,7 +326,7 @@ class Dispatcher:
         if e is not None:
             raise e
         if who is not None:   # the reporter's final words (it may have been describing still)
-            text, _ = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
             reason = text or reason
         raise _peer_error(reason)
 
@@ -353,7 +362,7 @@ class Dispatcher:
         code = spec.code
         root = spec.root
         t = self.plain()
-        gpu = hasattr(t, "nccl")
+        gpu = hasattr(t, "nccl") and spec.gpu   # host arrays on NCCL go through MPI: stand in alike
         if gpu:
             import cupy as xp
         else:
@@ -389,15 +398,15 @@ class Dispatcher:
         from ._reliability.agreement import poison_fields
 
         m, b = self.mem, self.row
+        if self.resync:   # first of all: the fresh communicator every member makes at its next call
+            self.resync = False
+            self.rel.resync(self.group)
         word = m[b + 5]
         k, who = poison_fields(word)
         me = self.group.ranks[self.group.rank]
         if who == me or k <= self.raised:
             if m[b + 5] == word:
                 m[b + 5] = 0
-            if self.resync:
-                self.resync = False
-                self.rel.resync(self.group)
             return
         if k > seq:      # a member is ahead: this rank refuses that call when it gets there
             return
@@ -431,7 +440,7 @@ class Dispatcher:
         try:   # refused at once: members already inside call seq are stood in for without delay
             self.refuse(seq, code, err, None)
         finally:   # the reporter's final words and decision (it may still be describing)
-            reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+            reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
             self._after(k, True if resync is None else resync)
             if reason:
                 err.args = (reason + late,)
@@ -441,7 +450,7 @@ class Dispatcher:
         (once it has decided, after its stand-in, whether the group needs a fresh start)."""
         who = self.group.ranks[j]
         self._answer(seq)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         m, b = self.mem, self.row
         if m[b + 5] and (m[b + 5] >> 24) == seq:
             m[b + 5] = 0
@@ -461,7 +470,7 @@ class Dispatcher:
         m[b + 5] = 0
         m[b + 1] = seq << 4 | code
         self._answer(k)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=SPEC_WAIT + 2)
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         self._after(k, True if resync is None else resync)
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 

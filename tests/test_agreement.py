@@ -4,7 +4,7 @@ each rank's call named, and the group goes on.
 The contract these tests hold every case to (docs/RELIABILITY.md, "Agreement check"):
 every rank raises in the disagreeing call or, where it had already returned before the
 report came (a root whose broadcast was over), in its next call of the group; no rank
-returns a wrong result without raising; each rank raises within 2 s; and the call after
+returns a wrong result without raising; each rank raises within seconds (LIMIT); and the call after
 that returns correct results on every rank (nothing of the failed call is left over).
 Cases that end the job instead (a rank blocked in a call that cannot complete) are in
 test_agreement_jobs.py.
@@ -19,7 +19,10 @@ from mpicomm import CollectiveMismatchError, InvalidArgumentError, MpicommError
 
 pytestmark = pytest.mark.mpi
 
-LIMIT = 2.5   # s: the report reaches every rank within 2 s (slack for a crowded 2-core CI machine)
+# s: a report reaches every rank within 2 s, but for a rank that had returned from the call
+# before the report and whose next call waits for the reporter's decision on a fresh
+# communicator (up to 4 s; docs/RELIABILITY.md); slack for a crowded 2-core CI machine
+LIMIT = 5.0
 
 
 def _attempt(fn):

@@ -19,6 +19,11 @@ def gpu(comm):
         pytest.skip("needs the NCCL backend (a GPU and CuPy)")
     if mpicomm.get_group_size() < 2:
         pytest.skip("a disagreement needs two ranks")
+    # both array kinds once first: their first use (a CUDA context for PyTorch, NCCL's setup)
+    # takes seconds, which the 2 s limit on a report is not about
+    for kind in ("cupy", "torch"):
+        mpicomm.all_reduce(_dev(kind, np.ones(4, np.float32)))
+        mpicomm.all_reduce(_dev(kind, np.ones(4, np.float32)), out=_dev(kind, np.empty(4, np.float32)))
     return mpicomm.get_group_size(), mpicomm.get_rank()
 
 
