@@ -207,9 +207,9 @@ class Dispatcher:
             rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
 
     def _decision_wait(self):
-        """Seconds to wait for a reporter's decision on a fresh communicator: on MPI (where the
-        members must decide alike), else none (NCCL's communicator is never replaced)."""
-        return 0 if hasattr(self.plain(), "nccl") else SPEC_WAIT + 2
+        """Seconds to wait for a reporter's final words and its decision on a fresh
+        communicator (on MPI the members must decide alike; NCCL only needs the words)."""
+        return SPEC_WAIT + 0.5 if hasattr(self.plain(), "nccl") else SPEC_WAIT + 2
 
     def _answer(self, k):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
