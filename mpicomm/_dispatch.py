@@ -441,7 +441,7 @@ class Dispatcher:
             self.refuse(seq, code, err, None)
         finally:   # the reporter's final words and decision (it may still be describing)
             reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-            self._after(k, True if resync is None else resync)
+            self._after(k, bool(resync))
             if reason:
                 err.args = (reason + late,)
 
@@ -454,7 +454,7 @@ class Dispatcher:
         m, b = self.mem, self.row
         if m[b + 5] and (m[b + 5] >> 24) == seq:
             m[b + 5] = 0
-        self._after(seq, True if resync is None else resync)
+        self._after(seq, bool(resync))
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
     def poisoned_after(self, seq, code):
@@ -471,7 +471,7 @@ class Dispatcher:
         m[b + 1] = seq << 4 | code
         self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-        self._after(k, True if resync is None else resync)
+        self._after(k, bool(resync))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 
     def describe(self, code):

@@ -147,9 +147,9 @@ def test_different_collectives_at_one_sequence_name_the_odd_rank():
 
 
 def test_different_collectives_are_named_within_seconds_with_the_check():
-    """The same with the agreement check on (the default): every waiting rank names the
+    """The same with the agreement check on (MPICOMM_CHECK=1): every waiting rank names the
     disagreement, each rank's call, a second or two after entering, and the job ends."""
-    p, took = run(4, "other_collective", limit=120, env={"MPICOMM_TIMEOUT": "60"})
+    p, took = run(4, "other_collective", limit=120, env={"MPICOMM_TIMEOUT": "60", "MPICOMM_CHECK": "1"})
     assert p.returncode != 0 and took < 30, took   # start-up, ~1-2 s of waiting; not the 60 s timeout
     m = re.search(r"^\[mpicomm rank 0\] CollectiveMismatchError: (.*)$", p.stderr, re.M)
     assert m, p.stderr
@@ -315,7 +315,7 @@ def test_different_shapes_without_debug_mode():
     # Open MPI's all_reduce of 4 vs 5 floats truncates on the rank with fewer and "succeeds"
     # on the other with data that is partly its own: a silent error. Debug mode catches it.
     # The truncation that MPI reports on rank 0 becomes CollectiveMismatchError naming the call.
-    # (With the agreement check, the default, both ranks raise: the test after this one.)
+    # (With the agreement check, MPICOMM_CHECK=1, both ranks raise: the test after this one.)
     p, _ = run(2, "shapes_nodebug", limit=60, env={"MPICOMM_CHECK": "0"})
     res = results(p)
     assert len(res[0]) == 1 and res[0][0].startswith(
@@ -328,7 +328,7 @@ def test_different_shapes_without_debug_mode():
 def test_different_shapes_raise_on_both_ranks_with_the_check():
     """all_reduce of 4 floats on rank 0 and 5 on rank 1, the agreement check on: neither rank
     returns; both raise CollectiveMismatchError naming both counts."""
-    p, _ = run(2, "shapes_nodebug", limit=60)
+    p, _ = run(2, "shapes_nodebug", limit=60, env={"MPICOMM_CHECK": "1"})
     res = results(p)
     for r in (0, 1):
         assert len(res[r]) == 1 and res[r][0].startswith("raised CollectiveMismatchError | all_reduce sequence 1"), \

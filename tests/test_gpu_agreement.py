@@ -19,6 +19,8 @@ def gpu(comm):
         pytest.skip("needs the NCCL backend (a GPU and CuPy)")
     if mpicomm.get_group_size() < 2:
         pytest.skip("a disagreement needs two ranks")
+    if not mpicomm._state.CTX.check:
+        pytest.skip("the agreement check is off: run with MPICOMM_CHECK=1 (scripts/gpu_suite.sh agree does)")
     # both array kinds once first: their first use (a CUDA context for PyTorch, NCCL's setup)
     # takes seconds, which the 2 s limit on a report is not about
     for kind in ("cupy", "torch"):

@@ -125,8 +125,8 @@ def _parser():
     p.add_argument("--shm-piece", default=None, metavar="BYTES",
                    help="set MPICOMM_SHM_PIECE: the shared-memory path's pipelining piece (0: whole messages)")
     p.add_argument("--check-cost", action="store_true",
-                   help="--percall: also time mpicomm with its agreement check turned off, in the same "
-                        "rounds (the check's cost per call; run with MPICOMM_CHECK=1)")
+                   help="--percall: init(check=True), and also time mpicomm with its agreement check turned "
+                        "off, in the same rounds (the check's cost per call)")
     p.add_argument("--debug", action="store_true",
                    help="mpicomm.init(debug=True): every collective first compares its arguments across ranks")
     p.add_argument("--shapes", default=None, help=f"gradient shapes for --coll buckets (default {SHAPES_FILE})")
@@ -217,7 +217,10 @@ class Bench:
         import mpicomm as mc
         from mpi4py import MPI
 
-        mc.init(args.backend, **({"debug": True} if args.debug else {}))
+        kw = {"debug": True} if args.debug else {}
+        if getattr(args, "check_cost", False):
+            kw["check"] = True   # timed on, and off around its own blocks
+        mc.init(args.backend, **kw)
         self.mc = mc
         self.args = args
         self.backend = mc.get_backend()
