@@ -15,20 +15,26 @@ done (two stores into this rank's row of the progress window). In debug mode the
 transport is wrapped by the cross-rank argument check (mpicomm._reliability.debug),
 and nothing is reused. The flight recorder (mpicomm._reliability.flight) costs one
 more store per call: ``(seq, code, prepared call, start)`` into the group's ring.
+
+With the agreement check on (``init(check=True)``; mpicomm._reliability.agreement), each
+prepared call carries its CallSpec (mpicomm._callspec); the call publishes ``seq << 32 |
+signature`` and, after the transport call, compares the words of the other members on its
+host. The slow paths (a disagreement, a refusal, a member's report) are the methods below
+``call``; they run only when a check fails or a report word is set.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
 from ._callspec import REFUSED, PeerSpec, plain_spec, spec_of
-from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
+from ._ops import BARRIER, BROADCAST, COLLECTIVES, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.flight import new_ring
 from ._reliability.progress import P2P, P2P_GH, P2P_TAG, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
-from ._ops import GATHER as GATHER_, REDUCE as REDUCE_, SCATTER as SCATTER_, BROADCAST
-import numpy as np
 
 _now = time.perf_counter_ns
 
@@ -370,17 +376,17 @@ class Dispatcher:
         arg = spec.op
         if code == BROADCAST:
             arg = root
-        elif code in (GATHER_, SCATTER_):
+        elif code in (GATHER, SCATTER):
             arg = Sized((root, None, None))
-        elif code == REDUCE_:
+        elif code == REDUCE:
             arg = (spec.op, root)
         elif code == BARRIER:
             t.barrier(False)
             return
-        count = c * n if (code == SCATTER_ and me == root) else c
+        count = c * n if (code == SCATTER and me == root) else c
         x = xp.zeros(count, dt)
         out = None
-        if code == SCATTER_ and me != root:
+        if code == SCATTER and me != root:
             out = x
         if arg.__class__ is Sized:
             pc = t.prepare_sized(code, x, out, arg, False, None)
