@@ -147,6 +147,8 @@ class Dispatcher:
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
             m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
+            if seq > self.raised:   # a member's later report about this call is not news here
+                self.raised = seq
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
                 m[b + 1] = v
                 err = mpi_error(e, NAMES[code], seq, self.group.name)
@@ -188,10 +190,12 @@ class Dispatcher:
             e = fr[seq & self.fmask]
             if e is not None and e[0] == seq:
                 return getattr(e[2], "spec", None) if e[2] is not None else plain_spec(e[1])
-        e = self.mem[self.row]
-        if e >> 4 == seq:
+        m, b = self.mem, self.row
+        e = m[b]
+        w = m[b + 14 + (seq & 7)]
+        if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
             p = self.last[e & 15]
-            if p is not NEVER:
+            if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
         return None
 

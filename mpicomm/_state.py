@@ -48,7 +48,7 @@ class Context:
         self.local_size = 1
         self.timeout = DEFAULT_TIMEOUT
         self.debug = False
-        self.check = False
+        self.check = True
         self.abort_on_exception = True
         self.device_id = None
         self.reliability = None      # progress, watchdog, debug check (mpicomm._reliability)

@@ -63,7 +63,7 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, che
     if debug is None:
         debug = env_bool("MPICOMM_DEBUG", False)
     if check is None:
-        check = env_bool("MPICOMM_CHECK", False)
+        check = env_bool("MPICOMM_CHECK", True)
     if not isinstance(check, bool):
         raise invalid("check", check, "True or False")
     name = _pick_backend(backend)

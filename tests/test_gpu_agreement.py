@@ -20,7 +20,7 @@ def gpu(comm):
     if mpicomm.get_group_size() < 2:
         pytest.skip("a disagreement needs two ranks")
     if not mpicomm._state.CTX.check:
-        pytest.skip("the agreement check is off: run with MPICOMM_CHECK=1 (scripts/gpu_suite.sh agree does)")
+        pytest.skip("the agreement check is off: MPICOMM_CHECK=0 in this run")
     # both array kinds once first: their first use (a CUDA context for PyTorch, NCCL's setup)
     # takes seconds, which the 2 s limit on a report is not about
     for kind in ("cupy", "torch"):

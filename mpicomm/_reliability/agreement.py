@@ -107,6 +107,13 @@ def attach(disp, rings, progress, comm, wrank):
     the dispatcher its host neighbours' rings (the ranks before and after it on this host)."""
     g = disp.group
     slot = progress.slot(g)
+    mine = rings.views.get(wrank)
+    if mine is not None and slot is not None:
+        # the row may have been a destroyed group's: its old words must not meet this
+        # group's sequence numbers (the peers read them only after the allgather below)
+        b = rings.base(slot)
+        for i in range(RING_N):
+            mine[b + i] = 0
     allv = comm.allgather((wrank, slot))
     disp.slots = tuple(s for _, s in allv)
     if slot is None or any(s is None for s in disp.slots) or not rings.views or not disp.check:
@@ -134,11 +141,11 @@ def read_row(progress, wrank, slot):
 
 def ring_word(row, seq):
     """The ring word a row holds for ``seq``: (word or 0, state) with state 'refused',
-    'entered', 'behind' (not there yet) or 'ahead' (entered and moved past the ring)."""
+    'entered', 'behind' (not there yet, or still preparing it) or 'ahead' (moved past the ring)."""
     w = int(row[RING + (seq % RING_N)])
     if w >> 32 == seq:
         return w, ("refused" if w & 0xFFFFFFFF == REFUSED else "entered")
-    if int(row[ENTERED]) >> 4 < seq:
+    if int(row[ENTERED]) >> 4 <= seq:   # (entered but no word yet: still preparing the call)
         return 0, "behind"
     return 0, "ahead"
 
