@@ -16,7 +16,7 @@ transport is wrapped by the cross-rank argument check (mpicomm._reliability.debu
 and nothing is reused. The flight recorder (mpicomm._reliability.flight) costs one
 more store per call: ``(seq, code, prepared call, start)`` into the group's ring.
 
-With the agreement check on (``init(check=True)``; mpicomm._reliability.agreement), each
+With the agreement check on (the default; mpicomm._reliability.agreement), each
 prepared call carries its CallSpec (mpicomm._callspec); the call publishes ``seq << 32 |
 signature`` and, after the transport call, compares the words of the other members on its
 host. The slow paths (a disagreement, a refusal, a member's report) are the methods below
@@ -66,7 +66,7 @@ class Dispatcher:
 
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
-                 "check", "rel", "peers", "shr", "shb", "slots", "raised", "resync")
+                 "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync")
 
     def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True):
         self.group = group
@@ -90,6 +90,8 @@ class Dispatcher:
         self.check = check and rel is not None
         self.rel = rel                 # the Reliability: progress window, host rings, resync
         self.peers = ()                # (ring segment, base, group rank) of the host neighbours
+        self.p1 = self.p1b = self.p1j = None   # the first of them (read without a loop)
+        self.more = ()                 # the others
         self.shr = None                # this rank's host-shared ring segment, or None
         self.shb = 0                   # its base for this group
         self.slots = None              # every member's row index in its progress window
@@ -165,11 +167,14 @@ class Dispatcher:
             raise
         if m[b + 5]:     # a peer's report arrived during the call
             self.poisoned_after(seq, code)
-        for pm, pb, j in self.peers:   # the host neighbours' calls of this sequence number
-            pw = pm[pb + k]
+        if sh is not None:   # the host neighbours' calls of this sequence number
+            pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
             if pw != w and pw >> 32 == seq:
-                m[b + 1] = v
-                self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
+                self.differs(seq, code, self.p1j, pw)
+            for pm, pb, j in self.more:
+                pw = pm[pb + k]
+                if pw != w and pw >> 32 == seq:
+                    self.differs(seq, code, j, pw)
         m[b + 1] = v
         if async_op:
             r._what = r._what[:3] + (self.group, seq)
@@ -177,6 +182,11 @@ class Dispatcher:
         return r
 
     # ------------------------------------------------------ the agreement check
+    def differs(self, seq, code, j, pw):
+        """Group rank ``j``'s ring word ``pw`` for call ``seq`` differs from this rank's."""
+        self.mem[self.row + 1] = seq << 4 | code
+        self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
+
     def _me(self):
         """'rank 3', or 'rank 3 (rank 1 of group 'g')' in a group that is not the world."""
         g = self.group

@@ -45,8 +45,8 @@ def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, che
     debug: compare every collective's arguments across ranks first (MPICOMM_DEBUG=1).
     abort_on_exception: an uncaught exception on any rank aborts the whole job.
     check: the agreement check of every call's signature across ranks (default
-        MPICOMM_CHECK, else off while it matures; docs/RELIABILITY.md says what it catches,
-        what it costs and where it is not finished).
+        MPICOMM_CHECK, else on; docs/RELIABILITY.md says what it catches, what it costs
+        and its limits).
 
     Under NCCL, selects GPU ``local_rank % device_count`` before creating the
     communicator. Calling init again with the same arguments does nothing; with

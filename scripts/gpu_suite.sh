@@ -174,24 +174,24 @@ if want embed; then  # the wrapper's and reducer's GPU tests, its CPU tests on M
     bench_ddp 5 300 --modes none,ddp,mpicomm,mpicomm_dense
 fi
 if want agree; then  # the agreement check on NCCL: its tests, every GPU test, its cost per call, large sizes
-    step "gpu-agreement-tests-np$NGPU" 200 env MPICOMM_CHECK=1 "${MPI[@]}" "$NGPU" -x MPICOMM_CHECK "${PYT[@]}" \
+    step "gpu-agreement-tests-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" \
         tests/test_gpu_agreement.py tests/test_agreement.py
     grep -a -E "^[0-9]+ (passed|failed)|failed|CollectiveMismatchError: rank" "$LOG" | tail -3 >>"$SUM"
     step "gpu-all-tests-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu.py tests/test_gpu_inplace.py \
         tests/test_gpu_torch.py tests/test_gpu_uneven.py tests/test_collectives.py
     grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
     for a in cupy torch; do
-        step "percall-check-$a" 120 env MPICOMM_CHECK=1 "${MPI[@]}" "$NGPU" -x MPICOMM_CHECK "${B[@]}" --percall --fresh --check-cost --rounds 20 --array "$a" \
+        step "percall-check-$a" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --rounds 20 --array "$a" \
             --json "$RES/percall_check_$a.json"
         grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
     done
 fi
 if want rows4; then  # the 4-GPU rows: agreement tests, per-call cost (CuPy, PyTorch), the DDP comparison
-    step "gpu-agreement-tests-np$NGPU" 150 env MPICOMM_CHECK=1 "${MPI[@]}" "$NGPU" -x MPICOMM_CHECK "${PYT[@]}" \
+    step "gpu-agreement-tests-np$NGPU" 150 "${MPI[@]}" "$NGPU" "${PYT[@]}" \
         tests/test_gpu_agreement.py tests/test_agreement.py
     grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
     for a in cupy torch; do
-        step "percall-$a-np$NGPU" 120 env MPICOMM_CHECK=1 "${MPI[@]}" "$NGPU" -x MPICOMM_CHECK "${B[@]}" --percall --fresh --check-cost --array "$a" \
+        step "percall-$a-np$NGPU" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --array "$a" \
             --json "$RES/percall_${a}_np$NGPU.json"
         grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
     done

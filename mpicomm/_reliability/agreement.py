@@ -130,7 +130,9 @@ def attach(disp, rings, progress, comm, wrank):
             if j != g.rank and j not in near:
                 near.append(j)
     disp.peers = tuple((rings.views[allv[j][0]], rings.base(allv[j][1]), j) for j in near)
-    disp.shr = rings.views[wrank]
+    disp.p1, disp.p1b, disp.p1j = disp.peers[0]
+    disp.more = disp.peers[1:]
+    disp.shr = rings.views[wrank]   # set last: the dispatcher compares where it is set
     disp.shb = rings.base(slot)
 
 
