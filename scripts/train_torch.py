@@ -18,8 +18,6 @@ import sys
 import time
 
 import numpy as np
-import torch
-from torch import nn
 
 # datasets.py sits next to this script (and finds mpicomm in a checkout that is not installed)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +26,10 @@ if _HERE not in sys.path:
 from datasets import finish, load_digits, local_batch_size, training_parser  # noqa: E402
 
 import mpicomm  # noqa: E402
+# mpicomm.torch before torch: without PyTorch, it says how to install it
 import mpicomm.torch as mt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 def make_model():

@@ -1,7 +1,8 @@
 """PyTorch integration: a data-parallel wrapper for ``torch.nn.Module`` and the
 ``torch.distributed`` bootstrap from an ``mpirun`` world.
 
-Imported only when used (``import mpicomm`` does not import PyTorch)::
+Imported only when used (``import mpicomm`` does not import PyTorch); without PyTorch,
+importing it raises ModuleNotFoundError naming the ``pip install`` that brings it::
 
     import mpicomm.torch as mt
 
@@ -9,7 +10,18 @@ Imported only when used (``import mpicomm`` does not import PyTorch)::
     loss_fn(model(x), y).backward()             # buckets reduced during backward
     opt.step()
 """
-from ._ddp import DistributedDataParallel
-from ._dist import init_process_group
+import importlib
+
+try:
+    importlib.import_module("torch")
+except ImportError as e:
+    raise ModuleNotFoundError(
+        f"mpicomm.torch needs PyTorch, which cannot be imported here ({type(e).__name__}: {e}): "
+        "pip install 'mpicomm[torch]' (or pip install torch; on a machine without a GPU, PyTorch's "
+        "smaller CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+        name="torch") from None
+
+from ._ddp import DistributedDataParallel  # noqa: E402
+from ._dist import init_process_group  # noqa: E402
 
 __all__ = ["DistributedDataParallel", "init_process_group"]

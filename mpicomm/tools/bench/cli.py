@@ -135,7 +135,7 @@ def _parser():
                    help="--coll buckets: the reducer's bucket cap (default: DistributedGradReducer's); each "
                         "further cap adds a row of its grad-view buckets (0: one all_reduce per tensor)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row to FILE")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw busbw against size into FILE.png")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw busbw against size into FILE.png (needs matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     return p
 
@@ -198,6 +198,11 @@ def _validate(args):
     for opt, v in (("--shm-threshold", args.shm_threshold), ("--shm-piece", args.shm_piece)):
         if v is not None:
             _check_env_size(opt, v)
+    if args.plot:
+        try:  # before the run, not after it
+            report.pyplot()
+        except ImportError as e:
+            raise ValueError(str(e)) from None
     if args.array is not None:
         check_importable(args.array)
         if args.array == "cupy" and d == "bfloat16":

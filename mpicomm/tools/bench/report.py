@@ -180,13 +180,25 @@ def write_json(path, meta, rows):
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
+def pyplot():
+    """matplotlib.pyplot (the Agg backend); ModuleNotFoundError naming the ``pip install``
+    that brings matplotlib where it cannot be imported."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            f"--plot needs matplotlib, which cannot be imported here ({type(e).__name__}: {e}): "
+            "pip install 'mpicomm[plot]' (or pip install matplotlib), or leave out --plot "
+            "(--json FILE keeps every row)", name="matplotlib") from None
+    return plt
+
+
 def plot(rows, path, title, buckets=False):
     """Draw busbw against size (mpicomm and raw, log-2 size axis) into ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if buckets:
         names = [r["mode"] for r in rows]
