@@ -3,8 +3,8 @@
 DistributedDataParallel (NCCL on GPUs, gloo on the CPU) and the same model with no
 communication at all (the floor), in the same job, interleaved.
 
-    mpirun -n 4 python scripts/bench_ddp.py                      # ResNet-50 and GPT-2 small, on GPUs
-    mpirun -n 2 python scripts/bench_ddp.py --model small --steps 3 --warmup 1 --rounds 1 --check-steps 3
+    mpicomm-run -n 4 python scripts/bench_ddp.py                      # ResNet-50 and GPT-2 small, on GPUs
+    mpicomm-run -n 2 python scripts/bench_ddp.py --model small --steps 3 --warmup 1 --rounds 1 --check-steps 3
 
 Models: torchvision's ResNet-50 (its own copy of the architecture where torchvision is
 missing), batch 64 per GPU at 224x224; a GPT-2 small sized transformer (12 layers, 768

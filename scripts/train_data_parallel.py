@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Data-parallel training of an MLP classifier with mpicomm.
 
-    mpirun -n 2 python scripts/train_data_parallel.py            # scikit-learn's digits
-    DATA_PATH=~/mnist mpirun -n 4 python scripts/train_data_parallel.py --hidden 256
+    mpicomm-run -n 2 python scripts/train_data_parallel.py            # scikit-learn's digits
+    DATA_PATH=~/mnist mpicomm-run -n 4 python scripts/train_data_parallel.py --hidden 256
 
 NumPy on the MPI backend, CuPy on NCCL. The forward and backward passes are written
 by hand; each rank trains on its shard of every global batch (DistributedSampler),

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Data-parallel training of a small PyTorch convolutional network with mpicomm.torch.
 
-    mpirun -n 2 python scripts/train_torch.py                  # scikit-learn's 8x8 digits
-    mpirun -n 4 python scripts/train_torch.py --min-accuracy 0.95
+    mpicomm-run -n 2 python scripts/train_torch.py                  # scikit-learn's 8x8 digits
+    mpicomm-run -n 4 python scripts/train_torch.py --min-accuracy 0.95
 
 CPU tensors over MPI, or CUDA tensors over NCCL where PyTorch and CuPy see GPUs (rank r
 uses GPU ``local rank % GPUs``). The model is wrapped in

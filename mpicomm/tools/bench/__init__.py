@@ -1,7 +1,7 @@
 """``mpicomm-bench``: an nccl-tests style benchmark of mpicomm's collectives.
 
-Run under mpirun, e.g. ``mpirun -n 2 mpicomm-bench -b 8 -e 1G -f 2 --compare`` (or
-``python -m mpicomm.tools.bench``). Flags follow nccl-tests: ``-b``/``-e`` the smallest
+Run under mpicomm-run, e.g. ``mpicomm-run -n 2 mpicomm-bench -b 8 -e 1G -f 2 --compare``
+(or ``python -m mpicomm.tools.bench``). Flags follow nccl-tests: ``-b``/``-e`` the smallest
 and largest size in bytes (K/M/G suffixes, powers of 1024), ``-f`` the step factor (or
 ``-i`` a step in bytes), ``-n`` iterations (0: enough for about ``--target-time``
 seconds per size), ``-w`` warm-up iterations, ``-c`` check results (0/1), ``-d`` dtype,
