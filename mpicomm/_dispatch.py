@@ -72,8 +72,9 @@ class Dispatcher:
         self.group = group
         self.transport = transport     # the group's transport (or the debug wrapper around it)
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
-        # every reusable prepared call by signature (up to KNOWN_CALLS): a loop over many
-        # shapes (one all_reduce per gradient, a reducer's buckets) prepares each shape once
+        # every reusable prepared call by signature (up to KNOWN_CALLS, least recently used
+        # out first): a loop over many shapes (one all_reduce per gradient, a reducer's
+        # buckets) prepares each shape once, and one-off shapes do not push out the loop's
         self.known = {}
         self.mem = mem                 # this rank's progress words (int64 memoryview)
         self.row = row                 # index of the group's "entered" word; "done" follows it
@@ -115,6 +116,7 @@ class Dispatcher:
                     key = None
                 if p is not None:
                     self.last[code] = p
+                    self.known[key] = self.known.pop(key)   # now the most recently used
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -136,7 +138,7 @@ class Dispatcher:
                 if key is not None and p.cls is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:
-                        del known[next(iter(known))]   # the oldest
+                        del known[next(iter(known))]   # the least recently used
                     known[key] = p
             w = seq << 32 | p.sig
             m[b + 14 + k] = w        # RING (mpicomm._reliability.progress)

@@ -308,3 +308,50 @@ def test_many_signatures_in_turn(comm):
     with pytest.raises(InvalidArgumentError, match=r"out.shape"):
         mpicomm.all_reduce(rank_data(r, "sig0", 0, 5, np.float64), ReduceOp.SUM, out=np.empty(6))
     np.testing.assert_array_equal(mpicomm.all_reduce(np.full(5, r + 1.0)), np.full(5, n * (n + 1) / 2))
+
+
+def test_known_calls_evict_the_least_recently_used(comm, monkeypatch):
+    """A loop over as many signatures as a group keeps (KNOWN_CALLS - 1 shapes every step)
+    plus one new shape per step (an evaluation batch, a last short batch): the new shapes
+    push out each other, never the loop's, so after the first step only the new shape is
+    prepared and every loop call reuses the very call prepared in the first step. (Evicting
+    the oldest inserted pushed out the loop's shapes one by one, and from the third step on
+    every loop call missed.) Results are checked on every call."""
+    from mpicomm._dispatch import KNOWN_CALLS
+    from mpicomm._ops import ALL_REDUCE
+    from mpicomm._state import get_group
+
+    if mpicomm._state.CTX.debug:
+        pytest.skip("debug mode prepares every call")
+    r = mpicomm.get_rank()
+    d = get_group(None).disp
+    t = d.transport
+    prepared = []
+
+    def counted(code, x, *a):
+        prepared.append(x.shape)
+        return type(t).prepare(t, code, x, *a)
+
+    monkeypatch.setattr(t, "prepare", counted, raising=False)
+    loop = [(k,) for k in range(1, KNOWN_CALLS)]
+    first = []
+    for step in range(4):
+        del prepared[:]
+        for k, shape in enumerate(loop + [(KNOWN_CALLS + step,)]):
+            key = f"lru{k}"
+            x = rank_data(r, key, step, shape, np.float64)
+            got = mpicomm.all_reduce(x)
+            np.testing.assert_array_equal(got, np.sum(all_data(key, step, shape, np.float64), axis=0))
+            if k < len(loop):
+                p = d.last[ALL_REDUCE]
+                if step == 0:
+                    first.append(p)
+                else:
+                    assert p is first[k], f"step {step}: the call of shape {shape} was prepared again"
+        assert len(d.known) <= KNOWN_CALLS
+        kept = {id(p) for p in d.known.values()}
+        assert all(id(p) in kept for p in first)
+        if step:
+            assert prepared == [(KNOWN_CALLS + step,)], step
+        else:   # (a shape an earlier test left prepared is reused)
+            assert prepared[-1] == (KNOWN_CALLS,) and set(prepared) <= set(loop + [(KNOWN_CALLS,)])
