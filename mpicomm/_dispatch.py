@@ -111,12 +111,12 @@ class Dispatcher:
             if arg.__class__ is not Sized:   # (sized calls are prepared every time)
                 try:
                     key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role)
-                    p = self.known.get(key)
+                    p = self.known.pop(key, None)
                 except (AttributeError, TypeError):   # no shape, or an unhashable argument
                     key = None
                 if p is not None:
+                    self.known[key] = p   # back in, as the most recently used
                     self.last[code] = p
-                    self.known[key] = self.known.pop(key)   # now the most recently used
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
