@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ._backends.base import NEVER, _dropped as _DROPPED, complete_dropped
+from ._backends.base import IN_PLACE, NEVER, NEW, OUT, _dropped as _DROPPED, complete_dropped
 from ._callspec import REFUSED, PeerSpec, plain_spec, spec_of
 from ._ops import BARRIER, BROADCAST, COLLECTIVES, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.flight import new_ring
@@ -103,10 +103,10 @@ class Dispatcher:
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
         p = self.last[code]
         key = None
-        role = 0 if out is None else (1 if out is x else 2)
+        role = NEW if out is None else (IN_PLACE if out is x else OUT)   # (role_of, inline)
         if x.__class__ is not p.cls or x.shape != p.shape or x.dtype is not p.dtype \
                 or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
-                or p.role != role:
+                or p.role is not role:
             p = None
             if arg.__class__ is not Sized:   # (sized calls are prepared every time)
                 try:

@@ -25,6 +25,7 @@ from mpicomm's state, dispatch or reliability modules.
 """
 from __future__ import annotations
 
+import enum
 import numbers
 import sys
 import time
@@ -112,11 +113,29 @@ def _timeout_arg(timeout):
     return float(timeout)
 
 
+class Role(enum.IntEnum):
+    """What a call's result is written into: a new array, ``x`` itself, or the given ``out=``."""
+
+    NEW = 0        # out=None: a new output
+    IN_PLACE = 1   # out=x
+    OUT = 2        # another array given as out=
+
+
+# The members as module names: a per-call test reads ``role is OUT`` (one global load)
+# rather than ``role is Role.OUT`` (a global and an attribute load).
+NEW, IN_PLACE, OUT = Role
+
+
+def role_of(x, out):
+    """The :class:`Role` of ``out=`` for input ``x``."""
+    return NEW if out is None else (IN_PLACE if out is x else OUT)
+
+
 class Prepared:
     """One validated call signature and the function that runs it for given arrays.
 
-    ``cls``, ``shape``, ``dtype``, ``arg``, ``role`` (0: a new output, 1: in place,
-    2: a given ``out=``), ``stream`` and ``async_op`` are the signature the dispatcher
+    ``cls``, ``shape``, ``dtype``, ``arg``, ``role`` (a :class:`Role`), ``stream`` and
+    ``async_op`` are the signature the dispatcher
     compares; ``cls`` None means "never reuse" (arrays converted through the host by
     a route that depends on more than these facts).
     """
@@ -130,7 +149,7 @@ class Prepared:
         self.shape = getattr(x, "shape", None)
         self.dtype = getattr(x, "dtype", None)
         self.arg = arg
-        self.role = 0 if out is None else (1 if out is x else 2)
+        self.role = role_of(x, out)
         self.stream = stream
         self.async_op = async_op
         self.run = run

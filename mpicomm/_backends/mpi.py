@@ -18,7 +18,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, REDUC
                     SCATTER, SENDRECV, ReduceOp, check_op_dtype, mpi_ops, nan_mpi_ops)
 from ..errors import CollectiveMismatchError, CommunicationError, invalid
 from . import bigcount
-from .base import Backend, DoneWork, HostCall, Prepared, Work
+from .base import IN_PLACE, NEW, OUT, Backend, DoneWork, HostCall, Prepared, Work, role_of
 from .shm import ShmPath
 
 _F32 = np.dtype(np.float32)
@@ -204,9 +204,9 @@ class MPITransport:
         in-place form (x is this rank's part of out, or out this rank's part of x).
         """
         xh, back = _host(x)
-        if role == 0:
+        if role is NEW:
             return xh, np.empty(oshape, dtype), back
-        if role == 1:
+        if role is IN_PLACE:
             if xh is x:
                 if not x.flags.writeable:
                     raise invalid("out", "x, a read-only array", "a writable array (the result is written into it)")
@@ -258,7 +258,7 @@ class MPITransport:
         self._check_role(x, out, xh, xh.shape, "all_reduce keeps the shape")
         comm, n, shm, shape, dtype = self.comm, self.size, self.shm, xh.shape, xh.dtype
         mop, dt, nbytes, size = self._ops(row)[op], row.mpi, xh.nbytes, xh.size
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         avg, upcast = op is _AVG, row.upcast
         nd = _divisor(row, n)   # AVG's n as a NumPy scalar of the array's type (a cheaper divide)
         what = ("all_reduce", shape, dtype)
@@ -285,7 +285,7 @@ class MPITransport:
             # that is the check, and run_any then raises the error that names the argument.
             flat = len(shape) <= 1
 
-            if role == 0:
+            if role is NEW:
                 def run(x, out):
                     if not flat and not x.flags.c_contiguous:
                         return run_any(x, out)
@@ -299,7 +299,7 @@ class MPITransport:
                             np.divide(o, nd, out=o)
                         return o
                     return tail(x, o, [x, dt], out)
-            elif role == 1:
+            elif role is IN_PLACE:
                 def run(x, out):
                     if not flat and not x.flags.carray:   # C-contiguous, aligned and writable
                         return run_any(x, out)
@@ -333,11 +333,11 @@ class MPITransport:
         def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, shape, dtype)
             if not async_op and nbytes >= shm.min_all_reduce and shm.all_reduce(xh, o, row, op) is not None:
-                return fin(o) if fin is not None else (out if role == 2 else o)
+                return fin(o) if fin is not None else (out if role is OUT else o)
             if size > MAX_COUNT:
                 return bigcount.all_reduce(lambda a, b: run_small(a, b, None, False), xh, o, fin, async_op, what)
             res = run_small(xh, o, fin)
-            return out if role == 2 and fin is None and not async_op else res
+            return out if role is OUT and fin is None and not async_op else res
 
         def run_small(xh, o, fin, async_op=async_op):
             if upcast:  # float16 / bfloat16: reduce in float32, MPI has no such ops
@@ -372,16 +372,16 @@ class MPITransport:
         oshape = (n * shape[0],) + shape[1:] if xh.ndim else (n,)
         slot = self._slot_gather
         self._check_role(x, out, xh, oshape, f"all_gather gives axis 0 {n} times as long", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         onbytes, osize = xh.nbytes * n, xh.size * n
         xoff = self.rank * xh.nbytes    # where x starts in out in the in-place form
         what = ("all_gather", shape, dtype)
 
-        if x.__class__ is np.ndarray and role != 1 and osize <= MAX_COUNT and not async_op:
+        if x.__class__ is np.ndarray and role is not IN_PLACE and osize <= MAX_COUNT and not async_op:
             def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
                 if not x.flags.c_contiguous:
                     return run_any(x, out)
-                if role == 0:
+                if role is NEW:
                     o = np.empty(oshape, dtype)
                 elif _plain_out(out, x, oshape, dtype):
                     o = out
@@ -400,15 +400,15 @@ class MPITransport:
         def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
             if not async_op and onbytes >= shm.min_all_gather and shm.all_gather(xh, o) is not None:
-                return fin(o) if fin is not None else (out if role == 2 else o)
+                return fin(o) if fin is not None else (out if role is OUT else o)
             if osize > MAX_COUNT:
                 return bigcount.all_gather(lambda a: self.all_gather_host(a), xh, o, n, fin, async_op, what)
             # in place: x is o itself (one rank) or this rank's part of o
-            sb = MPI.IN_PLACE if o is xh or role == 2 and np.may_share_memory(o, xh) else [xh, dt]
+            sb = MPI.IN_PLACE if o is xh or role is OUT and np.may_share_memory(o, xh) else [xh, dt]
             post = (lambda: fin(o)) if fin is not None else None
             res = self._start(lambda: comm.Allgather(sb, [o, dt]), lambda: comm.Iallgather(sb, [o, dt]),
                               async_op, o, post, (xh, o), what)
-            return out if role == 2 and fin is None and not async_op else res
+            return out if role is OUT and fin is None and not async_op else res
 
         return Prepared(ALL_GATHER, x, out, None, async_op, stream, run or run_any)
 
@@ -431,17 +431,17 @@ class MPITransport:
         oshape = (shape[0] // n,) + shape[1:]
         slot = self._slot_scatter
         self._check_role(x, out, xh, oshape, f"reduce_scatter gives each rank 1/{n} of axis 0", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
         nd = _divisor(row, n)
         ooff = self.rank * (nbytes // n)   # where out starts in x in the in-place form
         what = ("reduce_scatter", shape, dtype)
 
-        if x.__class__ is np.ndarray and role != 1 and not upcast and size <= MAX_COUNT and not async_op:
+        if x.__class__ is np.ndarray and role is not IN_PLACE and not upcast and size <= MAX_COUNT and not async_op:
             def run(x, out):  # a NumPy input, a new or a plain NumPy output (else run_any)
                 if not x.flags.c_contiguous:
                     return run_any(x, out)
-                if role == 0:
+                if role is NEW:
                     o = np.empty(oshape, dtype)
                 elif _plain_out(out, x, oshape, dtype):
                     o = out
@@ -469,10 +469,10 @@ class MPITransport:
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
             # in place (out is this rank's part of x): MPI's in-place form keeps the result
             # elsewhere, so reduce into a temporary and copy it there
-            part = role == 2 and o is not xh and np.may_share_memory(o, xh)
+            part = role is OUT and o is not xh and np.may_share_memory(o, xh)
             if not async_op and not part and nbytes >= shm.min_reduce_scatter \
                     and shm.reduce_scatter(xh, o, row, op) is not None:
-                return fin(o) if fin is not None else (out if role == 2 else o)
+                return fin(o) if fin is not None else (out if role is OUT else o)
             if size > MAX_COUNT:
                 return bigcount.reduce_scatter(lambda a: self.reduce_scatter_host(a, op), xh, o, n, fin,
                                                async_op, what)
@@ -494,7 +494,7 @@ class MPITransport:
             res = self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
                               lambda: comm.Ireduce_scatter_block(sb, rb, mop),
                               async_op, o, post, (xh, o, t, r), what)
-            return out if role == 2 and fin is None and not async_op else res
+            return out if role is OUT and fin is None and not async_op else res
 
         return Prepared(REDUCE_SCATTER, x, out, op, async_op, stream, run or run_any)
 
@@ -559,7 +559,7 @@ class MPITransport:
         self._check_role(x, out, xh, xh.shape, "reduce keeps the shape")  # alike on every rank
         comm, n, shape, dtype, dt, mop = self.comm, self.size, xh.shape, xh.dtype, row.mpi, self._ops(row)[op]
         is_root = self.rank == root
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         avg, upcast, size = op is _AVG, row.upcast, xh.size
         what = ("reduce", shape, dtype)
 
@@ -569,7 +569,7 @@ class MPITransport:
             else:
                 xh, _ = _host(x)
                 o = fin = None
-                if role == 2:
+                if role is OUT:
                     host_out(out, shape, dtype, xh)   # the same checks as on the root
             if size > MAX_COUNT:
                 return bigcount.reduce(lambda a, b: self.reduce_host(a, b, op, root), xh, o, fin, async_op, what)
@@ -593,7 +593,7 @@ class MPITransport:
 
             res = self._start(lambda: comm.Reduce(sb, rb, mop, root), lambda: comm.Ireduce(sb, rb, mop, root),
                               async_op, o if is_root else None, post, (xh, o, t, r), what)
-            if not async_op and is_root and role == 2 and fin is None:
+            if not async_op and is_root and role is OUT and fin is None:
                 return out
             return res
 
@@ -615,7 +615,7 @@ class MPITransport:
                           "(all_to_all sends chunk j of axis 0 to rank j)")
         shape, dtype, dt, size = xh.shape, xh.dtype, row.mpi, xh.size
         self._check_role(x, out, xh, shape, "all_to_all keeps the shape")
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         what = ("all_to_all", shape, dtype)
 
         def run(x, out):
@@ -626,7 +626,7 @@ class MPITransport:
             post = (lambda: fin(o)) if fin is not None else None
             res = self._start(lambda: comm.Alltoall(sb, [o, dt]), lambda: comm.Ialltoall(sb, [o, dt]),
                               async_op, o, post, (xh, o), what)
-            return out if role == 2 and fin is None and not async_op else res
+            return out if role is OUT and fin is None and not async_op else res
 
         return Prepared(ALL_TO_ALL, x, out, None, async_op, stream, run)
 
@@ -675,7 +675,7 @@ class MPITransport:
     def _finish_v(self, blocking, nonblocking, async_op, o, fin, keep, what, role, out):
         post = (lambda: fin(o)) if fin is not None else None
         res = self._start(blocking, nonblocking, async_op, o, post, keep, what)
-        return out if role == 2 and fin is None and not async_op else res
+        return out if role is OUT and fin is None and not async_op else res
 
     def _any_v(self, role, oshape, dtype, slot, async_op, what, calls):
         """The run for any x and out= of all_gather with sizes, gather's and scatter's root: bind x
@@ -683,7 +683,7 @@ class MPITransport:
         nonblocking MPI call; ``part``: one is this rank's part of the other (MPI.IN_PLACE)."""
         def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
-            part = o is xh or (role == 2 and np.may_share_memory(o, xh))
+            part = o is xh or (role is OUT and np.may_share_memory(o, xh))
             blocking, nonblocking = calls(xh, o, part)
             return self._finish_v(blocking, nonblocking, async_op, o, fin, (xh, o), what, role, out)
         return run_any
@@ -694,7 +694,7 @@ class MPITransport:
         NumPy x and a new or a plain NumPy out=, ``run_any`` for everything else. Where the call
         can never take that path (not NumPy, in place, async_op) it is ``run_any`` itself.
         ``gives=False``: this rank receives nothing (a gather's non-root): ``call(x, None)``, None."""
-        if x.__class__ is not np.ndarray or role == 1 or async_op:
+        if x.__class__ is not np.ndarray or role is IN_PLACE or async_op:
             return run_any
         if not gives:
             def run(x, out):
@@ -707,7 +707,7 @@ class MPITransport:
         def run(x, out):
             if not x.flags.c_contiguous:
                 return run_any(x, out)
-            if role == 0:
+            if role is NEW:
                 o = np.empty(oshape, dtype)
             elif _plain_out(out, x, oshape, dtype):
                 o = out
@@ -730,7 +730,7 @@ class MPITransport:
         oshape = (sum(sizes),) + trail
         slot = self._slot_v(counts, displs, dtype.itemsize)
         self._check_role(x, out, xh, oshape, "all_gather gives axis 0 the sum of sizes", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         what = ("all_gather", xh.shape, dtype)
 
         def calls(xh, o, part):
@@ -766,7 +766,7 @@ class MPITransport:
         rc, rd, _ = self._layout(outs, trail, "all_to_all")
         oshape = (sum(outs),) + trail
         self._check_role(x, out, xh, oshape, "all_to_all gives axis 0 the sum of out_splits")
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         what = ("all_to_all", xh.shape, dtype)
 
         def run_any(x, out):
@@ -796,7 +796,7 @@ class MPITransport:
         oshape = (sizes[rank],) + trail
         slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "reduce_scatter gives rank i sizes[i] rows", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         avg, upcast = op is _AVG, row.upcast
         what = ("reduce_scatter", xh.shape, dtype)
 
@@ -821,7 +821,7 @@ class MPITransport:
             res = self._start(lambda: comm.Reduce_scatter(sb, rb, counts, mop),
                               lambda: comm.Ireduce_scatter(sb, rb, counts, mop), async_op, o, post,
                               (xh, o, t, r), what)
-            return out if role == 2 and fin is None and not async_op else res
+            return out if role is OUT and fin is None and not async_op else res
 
         return Prepared(REDUCE_SCATTER, x, out, arg, async_op, stream, run)
 
@@ -846,7 +846,7 @@ class MPITransport:
         slot = self._slot_v(counts, displs, dtype.itemsize)
         if is_root:
             self._check_role(x, out, xh, oshape, "gather gives the root axis 0 of all ranks' parts", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         what = ("gather", xh.shape, dtype)
 
         if is_root:
@@ -922,7 +922,7 @@ class MPITransport:
         oshape = (sizes[rank],) + trail
         slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "scatter gives each rank its part of axis 0", slot)
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         what = ("scatter", xh.shape, dtype)
 
         def calls(xh, o, part):

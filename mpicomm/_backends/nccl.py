@@ -17,7 +17,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES
                     SENDRECV, check_op_dtype, nccl_ops)
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
-from .base import Backend, Prepared, Work
+from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
 from .mpi import MPITransport
 
 
@@ -272,11 +272,11 @@ class NCCLTransport:
                 return p == xp + rank * onb
             return False
 
-        if role == 0:
+        if role is NEW:
             def out_of(x, xa, xp, out):
                 o = empty()
                 return o, (o.data.ptr if kind != "torch" else o.data_ptr()), o
-        elif role == 1:
+        elif role is IN_PLACE:
             if tuple(x0.shape) != tshape:
                 raise invalid("out", "x (in place)", f"an array of shape {tshape}: {what}")
 
@@ -334,9 +334,9 @@ class NCCLTransport:
         shape = tuple(a.shape)
         oshape = tuple(oshape_of(shape))
         bcast = code == BROADCAST
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         if bcast:
-            role = 1      # broadcast: in place into x
+            role = IN_PLACE   # broadcast: in place into x
         dtype, itemsize = a.dtype, (a.dtype.itemsize if kind != "torch" else a.element_size())
         nt = row.nccl
         count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale // count_div
@@ -348,7 +348,7 @@ class NCCLTransport:
         out_of = self._out_binder(kind, role, oshape, dtype, a, rule, code) if not bcast else None
         cur = self._streamer(stream, kind)
         transport, dev = self, self.device_id
-        if role == 2:
+        if role is OUT:
             out_of(x, *bind(x), out)  # check the first out= now (every rank checks its own alike)
         is_root = code != REDUCE or self.rank == arg[1]
 
@@ -391,10 +391,10 @@ class NCCLTransport:
                 if not x._c_contiguous or x.data.device_id != dev:
                     return run_any(x, out)
                 xp = x.data.ptr
-                if role == 0:
+                if role is NEW:
                     res = empty()
                     op_ = res.data.ptr
-                elif role == 1:
+                elif role is IN_PLACE:
                     res, op_ = x, xp
                 else:
                     if out.__class__ is not ocls or not out._c_contiguous or out.dtype != dtype \
@@ -430,10 +430,10 @@ class NCCLTransport:
                 if not x.is_contiguous() or x.get_device() != dev:
                     return run_any(x, out)
                 xp = x.data_ptr()
-                if role == 0:
+                if role is NEW:
                     res = empty()
                     op_ = res.data_ptr()
-                elif role == 1:
+                elif role is IN_PLACE:
                     res, op_ = x, xp
                 else:
                     if out.__class__ is not ocls or out.dtype is not dtype or out.shape != oshape \
@@ -504,7 +504,7 @@ class NCCLTransport:
         if not shape or shape[0] % n:
             raise invalid("x.shape", shape, f"a first axis divisible by the group size {n} "
                           "(all_to_all sends chunk j of axis 0 to rank j)")
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         bind = self._binder(kind)
         out_of = self._out_binder(kind, role, shape, a.dtype, a, "all_to_all keeps the shape")
         cur = self._streamer(stream, kind)
@@ -513,7 +513,7 @@ class NCCLTransport:
         nbytes = count * (a.dtype.itemsize if kind != "torch" else a.element_size()) // row.nccl_scale
         what = ("all_to_all", shape, a.dtype)
         transport, nccl, empty = self, self.nccl, self._empty(kind, a, shape)
-        if role == 2:
+        if role is OUT:
             out_of(x, *bind(x), out)
 
         def run(x, out):
@@ -636,7 +636,7 @@ class NCCLTransport:
                     raise invalid("out.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
                 oshape = shape
             recvs = [(root, 0, _prod(oshape))]
-        role = 0 if out is None else (1 if out is x else 2)
+        role = role_of(x, out)
         bind = self._binder(kind)
         empty = self._empty(kind, a, oshape) if is_root else None
         cur = self._streamer(stream, kind)
@@ -644,7 +644,7 @@ class NCCLTransport:
         transport, nccl = self, self.nccl
         toshape = tuple(oshape)
         ptr = (lambda o: o.data_ptr()) if kind == "torch" else (lambda o: o.data.ptr)
-        if role == 1 and toshape != shape:
+        if role is IN_PLACE and toshape != shape:
             raise invalid("out", "x (in place)", f"an array of shape {toshape}: {name} gives that shape")
 
         def out_of(x, xa, xp, out):
