@@ -11,20 +11,23 @@ tensors). Each function finds the group and hands the call to its dispatcher
 from __future__ import annotations
 
 import zlib
+from typing import Any, Callable, Literal, Sequence, cast
 
 import numpy as np
 
 from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                    SCATTER, SEND, SENDRECV, ReduceOp, Sized, as_op)
-from ._backends.base import track
+from ._backends.base import Work, track
 from ._state import CTX, get_group
+from ._typing import ArrayLike, Stream
 from .errors import CollectiveMismatchError, invalid
 
 # These functions are the first step of every call: the group look-up is written out
 # (CTX.world for the default group) rather than called.
 
 
-def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=None):
+def all_reduce(x: ArrayLike, op: ReduceOp | str = ReduceOp.SUM, out: ArrayLike | None = None,
+               group: str | None = None, async_op: bool = False, stream: Stream | None = None) -> Any:
     """Reduce ``x`` element-wise over the group; every rank gets the result.
 
     Raises InvalidArgumentError for an unknown op, AVG on integers, MIN/MAX/PROD on
@@ -38,7 +41,8 @@ def all_reduce(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=
     return g.call(ALL_REDUCE, x, out, op, async_op, stream)
 
 
-def all_gather(x, out=None, group=None, async_op=False, stream=None, sizes=None):
+def all_gather(x: ArrayLike, out: ArrayLike | None = None, group: str | None = None, async_op: bool = False,
+               stream: Stream | None = None, sizes: Sequence[int] | str | None = None) -> Any:
     """Concatenate every rank's ``x`` along axis 0: shape (d0, ...) -> (n*d0, ...).
 
     sizes: each rank's axis-0 length (a sequence of ints, one per rank) when they differ,
@@ -54,7 +58,9 @@ def all_gather(x, out=None, group=None, async_op=False, stream=None, sizes=None)
     return g.call(ALL_GATHER, x, out, None, async_op, stream)
 
 
-def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, stream=None, sizes=None):
+def reduce_scatter(x: ArrayLike, op: ReduceOp | str = ReduceOp.SUM, out: ArrayLike | None = None,
+                   group: str | None = None, async_op: bool = False, stream: Stream | None = None,
+                   sizes: Sequence[int] | None = None) -> Any:
     """Reduce over the group and give rank i chunk i of axis 0: (d0, ...) -> (d0/n, ...).
 
     sizes: the axis-0 length of each rank's chunk (a sequence of ints adding up to d0) when
@@ -76,7 +82,8 @@ def reduce_scatter(x, op=ReduceOp.SUM, out=None, group=None, async_op=False, str
     return g.call(REDUCE_SCATTER, x, out, op, async_op, stream)
 
 
-def broadcast(x, root=0, group=None, async_op=False, stream=None):
+def broadcast(x: ArrayLike, root: int = 0, group: str | None = None, async_op: bool = False,
+              stream: Stream | None = None) -> Any:
     """Fill ``x`` on every rank with root's ``x``, in place; returns ``x``."""
     g = CTX.world if group is None else None
     if g is None:
@@ -84,7 +91,8 @@ def broadcast(x, root=0, group=None, async_op=False, stream=None):
     return g.call(BROADCAST, x, None, root, async_op, stream)
 
 
-def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, stream=None):
+def reduce(x: ArrayLike, op: ReduceOp | str = ReduceOp.SUM, root: int = 0, out: ArrayLike | None = None,
+           group: str | None = None, async_op: bool = False, stream: Stream | None = None) -> Any:
     """Reduce ``x`` over the group onto ``root``; returns the result on root, None elsewhere."""
     g = CTX.world if group is None else None
     if g is None:
@@ -94,7 +102,9 @@ def reduce(x, op=ReduceOp.SUM, root=0, out=None, group=None, async_op=False, str
     return g.call(REDUCE, x, out, (op, root), async_op, stream)
 
 
-def all_to_all(x, out=None, group=None, async_op=False, stream=None, in_splits=None, out_splits=None):
+def all_to_all(x: ArrayLike, out: ArrayLike | None = None, group: str | None = None, async_op: bool = False,
+               stream: Stream | None = None, in_splits: Sequence[int] | None = None,
+               out_splits: Sequence[int] | str | None = None) -> Any:
     """Split axis 0 into n chunks; chunk j goes to rank j, and chunk i of the result came from rank i.
 
     in_splits: the axis-0 length of each chunk sent (one int per rank, adding up to x's
@@ -112,7 +122,8 @@ def all_to_all(x, out=None, group=None, async_op=False, stream=None, in_splits=N
     return g.call(ALL_TO_ALL, x, out, None, async_op, stream)
 
 
-def send(x, dst, group=None, tag=0, async_op=False, stream=None):
+def send(x: ArrayLike, dst: int, group: str | None = None, tag: int = 0, async_op: bool = False,
+         stream: Stream | None = None) -> Work | None:
     """Send ``x`` to rank ``dst`` of the group (matched by a ``recv`` there).
 
     tag: an int in 0..MPI's TAG_UB; anything else raises InvalidArgumentError here, before
@@ -130,7 +141,8 @@ def send(x, dst, group=None, tag=0, async_op=False, stream=None):
     return d.point_to_point(SEND, x, dst, tag, async_op, stream)
 
 
-def recv(out, src, group=None, tag=0, async_op=False, stream=None):
+def recv(out: ArrayLike, src: int, group: str | None = None, tag: int = 0, async_op: bool = False,
+         stream: Stream | None = None) -> Any:
     """Receive into ``out`` from rank ``src`` of the group; returns ``out``.
 
     Raises CollectiveMismatchError (on this rank) when the message sent is larger than
@@ -148,7 +160,8 @@ def recv(out, src, group=None, tag=0, async_op=False, stream=None):
     return d.point_to_point(RECV, out, src, tag, async_op, stream)
 
 
-def sendrecv(x, dst, out=None, src=None, group=None, tag=0, async_op=False, stream=None):
+def sendrecv(x: ArrayLike, dst: int, out: ArrayLike | None = None, src: int | None = None,
+             group: str | None = None, tag: int = 0, async_op: bool = False, stream: Stream | None = None) -> Any:
     """Send ``x`` to rank ``dst`` and receive from rank ``src`` (default: ``dst``) at once.
 
     The two cannot deadlock whatever the order the ranks call in (MPI_Sendrecv; one NCCL
@@ -171,7 +184,8 @@ def sendrecv(x, dst, out=None, src=None, group=None, tag=0, async_op=False, stre
     return d.point_to_point(SENDRECV, x, dst, tag, async_op, stream, (out, src))
 
 
-def gather(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=None):
+def gather(x: ArrayLike, root: int = 0, out: ArrayLike | None = None, sizes: Sequence[int] | str | None = None,
+           group: str | None = None, async_op: bool = False, stream: Stream | None = None) -> Any:
     """Concatenate every rank's ``x`` along axis 0 on ``root``; returns None elsewhere.
 
     sizes: each rank's axis-0 length when they differ (a sequence of ints, or ``"auto"`` to
@@ -184,7 +198,9 @@ def gather(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=N
     return g.call(GATHER, x, out, _early(g, GATHER, _sized, g, GATHER, x, root, sizes), async_op, stream)
 
 
-def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=None):
+def scatter(x: ArrayLike | None, root: int = 0, out: ArrayLike | None = None,
+            sizes: Sequence[int] | str | None = None, group: str | None = None, async_op: bool = False,
+            stream: Stream | None = None) -> Any:
     """Split the root's ``x`` along axis 0 and give rank i part i; returns this rank's part.
 
     sizes: the axis-0 length of each part (a sequence of ints adding up to the root's axis
@@ -212,7 +228,7 @@ def scatter(x, root=0, out=None, sizes=None, group=None, async_op=False, stream=
     return g.call(SCATTER, x, out, arg, async_op, stream)
 
 
-def barrier(group=None, async_op=False):
+def barrier(group: str | None = None, async_op: bool = False) -> Work | None:
     """Block until every rank of the group has reached the barrier."""
     g = CTX.world if group is None else None
     if g is None:
@@ -231,18 +247,18 @@ class batch:
 
     __slots__ = ("group", "works", "_g")
 
-    def __init__(self, group=None):
+    def __init__(self, group: str | None = None) -> None:
         self.group = group
-        self.works = None     # after the block: the Works of its calls, in order
-        self._g = None
+        self.works: list[Work] | None = None     # after the block: the Works of its calls, in order
+        self._g: Any = None
 
-    def __enter__(self):
+    def __enter__(self) -> batch:
         g = get_group(self.group)
         g.disp.batch_begin()
         self._g = g
         return self
 
-    def __exit__(self, et, e, tb):
+    def __exit__(self, et: Any, e: Any, tb: Any) -> Literal[False]:
         g, self._g = self._g, None
         # after an error in the block the calls are launched but not waited for (a peer may
         # never match them); their Works complete at the next collective
@@ -258,7 +274,8 @@ class P2POp:
 
     __slots__ = ("op", "array", "peer", "group", "tag")
 
-    def __init__(self, op, array, peer, group=None, tag=0):
+    def __init__(self, op: Callable[..., Any] | str, array: ArrayLike, peer: int, group: str | None = None,
+                 tag: int = 0) -> None:
         if op is send or op == "send" or op == "isend":
             op = "send"
         elif op is recv or op == "recv" or op == "irecv":
@@ -273,7 +290,7 @@ class P2POp:
         return f"P2POp({self.op}, peer={self.peer}, group={self.group!r}, tag={self.tag})"
 
 
-def batch_isend_irecv(ops):
+def batch_isend_irecv(ops: list[P2POp] | tuple[P2POp, ...]) -> list[Work]:
     """Start a list of :class:`P2POp` as one batch; returns their Works (complete on return)."""
     ops = list(ops) if isinstance(ops, (list, tuple)) else ops
     if not isinstance(ops, list) or not ops or not all(isinstance(o, P2POp) for o in ops):
@@ -284,10 +301,10 @@ def batch_isend_irecv(ops):
     with batch(group):
         works = [send(o.array, o.peer, group, o.tag) if o.op == "send" else recv(o.array, o.peer, group, o.tag)
                  for o in ops]
-    return works
+    return cast("list[Work]", works)   # (inside a batch, send and recv return a Work)
 
 
-_TAG_UB = []   # MPI's TAG_UB, the largest tag (at least 32767), once looked up
+_TAG_UB: list[int] = []   # MPI's TAG_UB, the largest tag (at least 32767), once looked up
 
 
 def _tag_ub():
@@ -347,7 +364,7 @@ def _root_of(g, root):
     raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
 
 
-_CHECKED = set()   # (group size, sizes, their types) found valid: a repeated call skips the checks
+_CHECKED: set[Any] = set()   # (group size, sizes, their types) found valid: a repeated call skips the checks
 
 
 def _check_sizes(g, sizes, arg="sizes"):
@@ -567,32 +584,32 @@ class _Op:
 class AllReduce(_Op):
     """``AllReduce(op=ReduceOp.SUM, group=None)(x)`` runs :func:`all_reduce`."""
 
-    def __init__(self, op=ReduceOp.SUM, group=None):
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
         self.op = as_op(op)
         self.group = group
 
-    def __call__(self, x):
+    def __call__(self, x: ArrayLike) -> Any:
         return all_reduce(x, self.op, group=self.group)
 
 
 class AllGather(_Op):
     """``AllGather(group=None)(x)`` runs :func:`all_gather`."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: str | None = None) -> None:
         self.group = group
 
-    def __call__(self, x):
+    def __call__(self, x: ArrayLike) -> Any:
         return all_gather(x, group=self.group)
 
 
 class ReduceScatter(_Op):
     """``ReduceScatter(op=ReduceOp.SUM, group=None)(x)`` runs :func:`reduce_scatter`."""
 
-    def __init__(self, op=ReduceOp.SUM, group=None):
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
         self.op = as_op(op)
         self.group = group
 
-    def __call__(self, x):
+    def __call__(self, x: ArrayLike) -> Any:
         return reduce_scatter(x, self.op, group=self.group)
 
 
@@ -600,11 +617,11 @@ class Broadcast(_Op):
     """``Broadcast(root=0, group=None)(x)``: broadcasts ``x`` in place, or each array of a
     tuple/list (as MindSpore's Broadcast does), returning what it was given."""
 
-    def __init__(self, root=0, group=None):
+    def __init__(self, root: int = 0, group: str | None = None) -> None:
         self.root = root
         self.group = group
 
-    def __call__(self, x):
+    def __call__(self, x: ArrayLike) -> Any:
         if isinstance(x, (tuple, list)):
             return type(x)(broadcast(a, self.root, group=self.group) for a in x)
         return broadcast(x, self.root, group=self.group)
@@ -618,7 +635,8 @@ class AlltoAll(_Op):
     rank j, and concatenates the parts received (rank i's first) along ``concat_dim``.
     """
 
-    def __init__(self, split_count=None, split_dim=0, concat_dim=0, group=None):
+    def __init__(self, split_count: int | str | None = None, split_dim: int = 0, concat_dim: int = 0,
+                 group: str | None = None) -> None:
         if isinstance(split_count, str) and group is None:   # AlltoAll("group name"): the old form
             split_count, group = None, split_count
         if split_count is not None and (not isinstance(split_count, (int, np.integer))
@@ -632,7 +650,7 @@ class AlltoAll(_Op):
         self.concat_dim = int(concat_dim)
         self.group = group
 
-    def __call__(self, x):
+    def __call__(self, x: ArrayLike) -> Any:
         if self.split_count is None or (self.split_dim == 0 and self.concat_dim == 0):
             if self.split_count is not None:
                 _check_split_count(self.split_count, self.group)
@@ -684,10 +702,10 @@ class AllGatherV(_Op):
     """MindSpore's ``AllGatherV(group=None)(x, output_split_sizes)``: all_gather of 1-D arrays
     whose lengths differ; ``output_split_sizes`` is every rank's length (or ``"auto"``)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: str | None = None) -> None:
         self.group = group
 
-    def __call__(self, x, output_split_sizes):
+    def __call__(self, x: ArrayLike, output_split_sizes: Sequence[int] | str) -> Any:
         return all_gather(x, group=self.group, sizes=output_split_sizes)
 
 
@@ -695,9 +713,9 @@ class ReduceScatterV(_Op):
     """MindSpore's ``ReduceScatterV(op=ReduceOp.SUM, group=None)(x, input_split_sizes)``:
     reduce_scatter where rank i gets ``input_split_sizes[i]`` elements of axis 0."""
 
-    def __init__(self, op=ReduceOp.SUM, group=None):
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
         self.op = as_op(op)
         self.group = group
 
-    def __call__(self, x, input_split_sizes):
+    def __call__(self, x: ArrayLike, input_split_sizes: Sequence[int]) -> Any:
         return reduce_scatter(x, self.op, group=self.group, sizes=input_split_sizes)

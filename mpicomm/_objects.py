@@ -20,6 +20,7 @@ peer.
 from __future__ import annotations
 
 import pickle
+from typing import Any, Sequence
 
 from . import _ops
 from ._backends.base import HostCall
@@ -30,7 +31,7 @@ from .errors import invalid
 # smaller buffers go inside the pickle (one message is cheaper than two): pkl5's own threshold
 _OOB_MIN = 256 << 10
 _ERR = "mpicomm-pickle-error"
-_CACHE = {}   # id(group) -> (its MPI communicator, the pkl5 view of it)
+_CACHE: dict[int, Any] = {}   # id(group) -> (its MPI communicator, the pkl5 view of it)
 
 
 def _pkl(g):
@@ -128,7 +129,7 @@ def _group(group):
     return g if g is not None else get_group(group)
 
 
-def all_gather_object(obj, group=None):
+def all_gather_object(obj: Any, group: str | None = None) -> list[Any]:
     """Every rank's ``obj``, as a list in group rank order, on every rank.
 
     Raises InvalidArgumentError on every rank when any rank's ``obj`` cannot be
@@ -147,7 +148,7 @@ def all_gather_object(obj, group=None):
     return [_load(m) for m in msgs]
 
 
-def broadcast_object(obj=None, root=0, group=None):
+def broadcast_object(obj: Any = None, root: int = 0, group: str | None = None) -> Any:
     """Root's ``obj`` on every rank (the other ranks' ``obj`` is ignored).
 
     Raises InvalidArgumentError on every rank for a root out of range or when root's
@@ -162,7 +163,7 @@ def broadcast_object(obj=None, root=0, group=None):
     return _load(msg)
 
 
-def gather_object(obj, root=0, group=None):
+def gather_object(obj: Any, root: int = 0, group: str | None = None) -> list[Any] | None:
     """Every rank's ``obj`` as a list in group rank order on ``root``; None on the others.
 
     Raises InvalidArgumentError on every rank for a root out of range or when any
@@ -187,7 +188,7 @@ def gather_object(obj, root=0, group=None):
     return [_load(m) for m in msgs] if msgs is not None else None
 
 
-def scatter_object(objs=None, root=0, group=None):
+def scatter_object(objs: Sequence[Any] | None = None, root: int = 0, group: str | None = None) -> Any:
     """Root's ``objs[i]`` on group rank i (``objs`` is read on root only).
 
     Raises InvalidArgumentError on every rank for a root out of range, when root's
@@ -202,7 +203,7 @@ def scatter_object(objs=None, root=0, group=None):
         n = g.size
         if objs is None or isinstance(objs, (str, bytes, dict)) or not hasattr(objs, "__len__") \
                 or not hasattr(objs, "__getitem__") or len(objs) != n:
-            what = f"{type(objs).__name__} of length {len(objs)}" if hasattr(objs, "__len__") \
+            what = f"{type(objs).__name__} of length {len(objs)}" if objs is not None and hasattr(objs, "__len__") \
                 else type(objs).__name__
             note = (_ERR, root, "objs", f"{what}, which is not a list of one object per rank")
             msgs = [note] * n
@@ -227,7 +228,7 @@ def scatter_object(objs=None, root=0, group=None):
     return _load(msg)
 
 
-def send_object(obj, dst, group=None, tag=0):
+def send_object(obj: Any, dst: int, group: str | None = None, tag: int = 0) -> None:
     """Send ``obj`` to group rank ``dst`` (matched by ``recv_object`` there, in order of
     (source, tag) with mpicomm's other object messages).
 
@@ -244,7 +245,7 @@ def send_object(obj, dst, group=None, tag=0):
     _raise([msg])
 
 
-def recv_object(src, group=None, tag=0):
+def recv_object(src: int, group: str | None = None, tag: int = 0) -> Any:
     """The object that group rank ``src`` sent with ``send_object`` (same tag)."""
     g = _group(group)
     src = _peer(src, g, "src")

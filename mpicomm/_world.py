@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from . import _state
 from ._backends import get_backend_class, names as backend_names
@@ -35,7 +36,8 @@ def _pick_backend(backend):
     return backend.lower()
 
 
-def init(backend=None, *, timeout=None, debug=None, abort_on_exception=True, check=None):
+def init(backend: str | None = None, *, timeout: float | None = None, debug: bool | None = None,
+         abort_on_exception: bool = True, check: bool | None = None) -> None:
     """Initialise mpicomm: MPI, the world group and the backend.
 
     backend: "mpi", "nccl" or None (NCCL where CuPy sees a GPU, else MPI; the
@@ -148,7 +150,7 @@ def _attach(ctx, g):
         rel.attach(g)
 
 
-def finalize():
+def finalize() -> None:
     """Release mpicomm's communicators (MPI itself is finalised at exit by mpi4py).
 
     Async work not yet completed (dropped Works, and async sends and receives still held
@@ -179,42 +181,42 @@ def finalize():
     CTX.reset()
 
 
-def is_initialized():
+def is_initialized() -> bool:
     """True between init() and finalize()."""
     return CTX.initialized
 
 
-def get_backend():
+def get_backend() -> str:
     """The backend in use: "mpi" or "nccl"."""
     return require_init("get_backend()").backend_name
 
 
-def get_rank(group=None):
+def get_rank(group: str | None = None) -> int:
     """This process's rank in ``group`` (default: the world)."""
     return get_group(group).rank
 
 
-def get_group_size(group=None):
+def get_group_size(group: str | None = None) -> int:
     """The number of ranks in ``group`` (default: the world)."""
     return get_group(group).size
 
 
-def get_local_rank():
+def get_local_rank() -> int:
     """This process's rank among the ranks on its host."""
     return require_init("get_local_rank()").local_rank
 
 
-def get_local_size():
+def get_local_size() -> int:
     """The number of ranks on this host."""
     return require_init("get_local_size()").local_size
 
 
-def get_local_rank_size():
+def get_local_rank_size() -> int:
     """The number of ranks on this host (MindSpore's name for :func:`get_local_size`)."""
     return require_init("get_local_rank_size()").local_size
 
 
-def get_world_rank_from_group_rank(group, group_rank_id):
+def get_world_rank_from_group_rank(group: str | None, group_rank_id: int) -> int:
     """The world rank of rank ``group_rank_id`` of ``group``."""
     g = _any_group(group)
     if isinstance(group_rank_id, bool) or not isinstance(group_rank_id, int) \
@@ -223,7 +225,7 @@ def get_world_rank_from_group_rank(group, group_rank_id):
     return g.ranks[group_rank_id]
 
 
-def get_group_rank_from_world_rank(world_rank_id, group):
+def get_group_rank_from_world_rank(world_rank_id: int, group: str | None) -> int:
     """The rank in ``group`` of world rank ``world_rank_id``."""
     g = _any_group(group)
     if world_rank_id not in g.ranks or isinstance(world_rank_id, bool):
@@ -243,7 +245,7 @@ def _any_group(group):
     return g
 
 
-def create_group(group, rank_ids):
+def create_group(group: str, rank_ids: Sequence[int]) -> None:
     """Create the named group ``group`` of world ranks ``rank_ids``.
 
     Either only the members call it (MindSpore's usage) or every rank does; group rank i
@@ -286,6 +288,7 @@ def create_group(group, rank_ids):
                 err = invalid("rank_ids", rank_ids, f"world ranks in 0..{n - 1} (out of range: {bad})")
     if err is not None:   # from the arguments alone: alike on every rank that passes them
         raise err
+    assert ids is not None   # (no error: the rank list was read)
     if world.rank not in ids:
         g = ctx.groups[group] = Group(group, ids, None, None, None)
         ctx.reliability.name(g)
@@ -321,7 +324,7 @@ def _connect(ctx, g):
     ctx.reliability.attach(g)
 
 
-def destroy_group(group):
+def destroy_group(group: str) -> None:
     """Destroy a group made by create_group: collective over its members (a barrier among
     them, watched like a collective); a non-member that calls it only forgets the name."""
     ctx = require_init("destroy_group()")

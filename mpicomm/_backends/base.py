@@ -31,6 +31,7 @@ import sys
 import time
 import warnings
 import weakref
+from typing import Any
 
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError, MpicommError, invalid
@@ -43,8 +44,8 @@ DEPARTED_CHECK = 2.0
 # Works dropped before they completed. MPI and NCCL go on writing into their buffers
 # after the handle is gone, so a dropped Work is kept here (with its request and
 # buffers) and completed at the next collective, barrier or finalize.
-_dropped = []
-_warned = []
+_dropped: list[Work] = []
+_warned: list[bool] = []
 DROPPED_WARNING = ("mpicomm: a Work (async_op=True) was dropped before it completed; mpicomm keeps "
                    "its buffers until the operation completes, at the next collective, barrier or "
                    "finalize. Call wait() on it to use the result (this warning is shown once)")
@@ -63,7 +64,7 @@ def complete_dropped():
 # Works of async sends and receives (send/recv/sendrecv with async_op=True) that the caller
 # may still hold, weakly (one dropped unwaited goes to _dropped): finalize completes those
 # still pending, so that one that can never complete is reported, not left behind silently.
-_pending = weakref.WeakSet()
+_pending: weakref.WeakSet[Work] = weakref.WeakSet()
 
 
 def track(w):
@@ -203,12 +204,12 @@ class Work:
             if r is not None:
                 self._result = r
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         if not self._done and self._poll():
             self._finish()
         return self._done
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective completes and return its result.
 
         timeout: seconds (None: the timeout given to init, no limit where that is 0);
