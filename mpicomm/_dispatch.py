@@ -32,7 +32,8 @@ from ._backends.base import IN_PLACE, NEVER, NEW, OUT, _dropped as _DROPPED, com
 from ._callspec import REFUSED, PeerSpec, plain_spec, spec_of
 from ._ops import BARRIER, BROADCAST, COLLECTIVES, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.flight import new_ring
-from ._reliability.progress import P2P, P2P_GH, P2P_TAG, ghash, p2p_word
+from ._reliability.progress import (HIST_MASK, HIST_N, HIST_SEQ, P2P, P2P_GH, P2P_TAG, ghash, hist_base,
+                                    hist_next, p2p_word)
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
@@ -66,7 +67,8 @@ class Dispatcher:
 
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
-                 "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync")
+                 "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync",
+                 "xhost", "xh", "xb")
 
     def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True):
         self.group = group
@@ -98,6 +100,10 @@ class Dispatcher:
         self.slots = None              # every member's row index in its progress window
         self.raised = 0                # the last sequence number a disagreement was raised for
         self.resync = False            # a fresh communicator is due at the next call (MPI)
+        self.xhost = None              # (group rank, world rank, row) on the next host, compared
+        #                                by the watchdog (this rank is its host's first member)
+        self.xh = 0                    # the hash of the group's calls so far (its history)
+        self.xb = hist_base(row) if self.check else 0   # where its history ring is (0: off)
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -142,6 +148,10 @@ class Dispatcher:
                     known[key] = p
             w = seq << 32 | p.sig
             m[b + 14 + k] = w        # RING (mpicomm._reliability.progress)
+            xb = self.xb
+            if xb:                   # the history, compared across hosts (hist_next inline)
+                h = self.xh = (self.xh * 0x100000001B3 + w) & 0xFFFFFFFFFF
+                m[xb + (seq & 255)] = (seq & 0x7FFFFF) << 40 | h
             sh = self.shr
             if sh is not None:
                 sh[self.shb + k] = w
@@ -151,8 +161,6 @@ class Dispatcher:
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
             m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
-            if seq > self.raised:   # a member's later report about this call is not news here
-                self.raised = seq
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
                 m[b + 1] = v
                 err = mpi_error(e, NAMES[code], seq, self.group.name)
@@ -161,11 +169,13 @@ class Dispatcher:
                     other = next((j for pm, pb, j in self.peers
                                   if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
                     self.disagree(seq, code, other, err if other is None else None)
+                self._raised_here(seq)
                 raise err from e
             if self.check and isinstance(e, Exception) and not isinstance(e, CommunicationError) \
                     and self.group.size > 1:
                 self.refuse(seq, code, e, None)   # raises
             m[b + 1] = v
+            self._raised_here(seq)
             raise
         if m[b + 5]:     # a peer's report arrived during the call
             self.poisoned_after(seq, code)
@@ -242,11 +252,37 @@ class Dispatcher:
         if sp is not None:
             publish_spec(self.mem, self.row, k, sp)
 
+    def _raised_here(self, seq):
+        """Call ``seq`` raised on this rank outside the agreement check's paths (a transport's
+        own error): a member's later report about it is not news here."""
+        if seq > self.raised:
+            self.raised = seq
+
+    def _history(self, seq, w):
+        """Add call ``seq`` (ring word ``w``) to the group's history (as the hot path does)."""
+        self.xh = hist_next(self.xh, w)
+        self.mem[self.xb + (seq & (HIST_N - 1))] = (seq & HIST_SEQ) << 40 | self.xh
+
+    def _rehistory(self, k):
+        """Every member raised for call ``k``: it enters the history as REFUSED on every rank
+        alike (their calls differed), and the calls after it are added again on top."""
+        m, xb = self.mem, self.xb
+        if not xb or k > self.seq:
+            return
+        prev = m[xb + ((k - 1) & (HIST_N - 1))]
+        h = prev & HIST_MASK if k > 1 and prev >> 40 == (k - 1) & HIST_SEQ else 0
+        self.xh = h
+        for s in range(k, self.seq + 1):
+            w = m[self.row + 14 + (s & 7)]   # the row's RING word of call s
+            self._history(s, s << 32 | REFUSED if s == k or w >> 32 != s else w)
+
     def _after(self, seq, entered):
         """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
         (MPI) when any rank entered it."""
         from ._reliability.agreement import poison_word
 
+        if seq > self.raised:
+            self._rehistory(seq)
         self.raised = max(self.raised, seq)
         if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
             self.resync = True
@@ -521,6 +557,8 @@ class Dispatcher:
         m[b] = v
         w = seq << 32 | plain_spec(code).sig
         m[b + 14 + (seq & 7)] = w
+        if self.xb:
+            self._history(seq, w)
         if self.shr is not None:
             self.shr[self.shb + (seq & 7)] = w
         if self.fr is not None:

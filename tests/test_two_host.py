@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -81,50 +82,16 @@ def _on_node1(argv, env, timeout):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@spawns_mpirun
-@pytest.mark.timeout(600)
-def test_two_host_job(tmp_path):
+@pytest.fixture(scope="module")
+def cluster():
+    """node1 and node2 (2 slots each) for this module's tests; its hostfile."""
     require(WHY_NOT)
     try:
         up = _cluster("up")
         assert up.returncode == 0, up.stderr
         hostfile = up.stdout.strip().splitlines()[-1]
         assert hostfile == f"{STATE}/hostfile"
-        script = tmp_path / "two_host.py"
-        script.write_text(RANK_SCRIPT)
-        env = clean_mpi_env({"MPICOMM_TWOHOST_AUTO": "auto-7"})
-        logs = tmp_path / "logs"
-        proc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
-                                 "-x", "TWOHOST_X=given", "--log-dir", str(logs), str(script)),
-                         env, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        assert len(lines) == 1, proc.stdout
-        result = json.loads(lines[0][len("RESULT "):])
-
-        assert result["size"] == 4
-        expected = sum(np.arange(6, dtype=np.float64) * (r + 1) + r for r in range(4))
-        assert result["sum"] == expected.tolist()
-        # Slots fill in hostfile order: ranks 0, 1 on node1 and 2, 3 on node2.
-        assert result["hosts"] == ["node1", "node1", "node2", "node2"]
-        assert len(set(result["hosts"])) == 2 and socket.gethostname() not in result["hosts"]
-        # Forwarded through ssh: node2's ranks never saw the launcher's environment.
-        assert result["envs"] == ["auto-7|given"] * 4
-        assert result["local"] == [[2, 0], [2, 1], [2, 0], [2, 1]]
-        assert sorted(os.listdir(logs)) == [f"rank.{r}" for r in range(4)]
-
-        doc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
-                                "-m", "mpicomm.tools.doctor", "--json"), env, timeout=300)
-        assert doc.returncode == 0, doc.stdout + doc.stderr
-        report = json.loads(doc.stdout[doc.stdout.index("{"):])
-        assert [r["host"] for r in report["ranks"]] == ["node1", "node1", "node2", "node2"]
-        assert [r["local_rank"] for r in report["ranks"]] == [0, 1, 0, 1]
-        assert report["problems"] == []
-
-        if importlib.util.find_spec("mpicomm.tools.smoke") is not None:
-            smoke = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "400",
-                                      "-m", "mpicomm.tools.smoke", "--quick"), env, timeout=450)
-            assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+        yield hostfile
     finally:
         down = _cluster("down")
         assert down.returncode == 0, down.stderr
@@ -132,3 +99,132 @@ def test_two_host_job(tmp_path):
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                 timeout=30).stdout
         assert "mpicomm-" not in listed
+
+
+@spawns_mpirun
+@pytest.mark.timeout(600)
+def test_two_host_job(tmp_path, cluster):
+    hostfile = cluster
+    script = tmp_path / "two_host.py"
+    script.write_text(RANK_SCRIPT)
+    env = clean_mpi_env({"MPICOMM_TWOHOST_AUTO": "auto-7"})
+    logs = tmp_path / "logs"
+    proc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
+                             "-x", "TWOHOST_X=given", "--log-dir", str(logs), str(script)),
+                     env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0][len("RESULT "):])
+
+    assert result["size"] == 4
+    expected = sum(np.arange(6, dtype=np.float64) * (r + 1) + r for r in range(4))
+    assert result["sum"] == expected.tolist()
+    # Slots fill in hostfile order: ranks 0, 1 on node1 and 2, 3 on node2.
+    assert result["hosts"] == ["node1", "node1", "node2", "node2"]
+    assert len(set(result["hosts"])) == 2 and socket.gethostname() not in result["hosts"]
+    # Forwarded through ssh: node2's ranks never saw the launcher's environment.
+    assert result["envs"] == ["auto-7|given"] * 4
+    assert result["local"] == [[2, 0], [2, 1], [2, 0], [2, 1]]
+    assert sorted(os.listdir(logs)) == [f"rank.{r}" for r in range(4)]
+
+    doc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
+                            "-m", "mpicomm.tools.doctor", "--json"), env, timeout=300)
+    assert doc.returncode == 0, doc.stdout + doc.stderr
+    report = json.loads(doc.stdout[doc.stdout.index("{"):])
+    assert [r["host"] for r in report["ranks"]] == ["node1", "node1", "node2", "node2"]
+    assert [r["local_rank"] for r in report["ranks"]] == [0, 1, 0, 1]
+    assert report["problems"] == []
+
+    if importlib.util.find_spec("mpicomm.tools.smoke") is not None:
+        smoke = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "400",
+                                  "-m", "mpicomm.tools.smoke", "--quick"), env, timeout=450)
+        assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+
+
+CROSS_HOST = r'''
+import sys, time
+import numpy as np
+import mpicomm
+
+mpicomm.init(backend="mpi")
+r = mpicomm.get_rank()
+x = np.random.default_rng(r).standard_normal(4).astype(np.float32)
+mpicomm.all_reduce(x)
+# node2's ranks (2, 3) pass the same bytes as int32: MPI sees nothing wrong, and each host's
+# ranks agree with each other; only the comparison across hosts can see it
+mpicomm.all_reduce(x.view(np.int32) if r >= 2 else x)
+print(f"rank {r}: returned", flush=True)
+for _ in range(int(sys.argv[1])):   # go on calling (0: leave at once)
+    mpicomm.all_reduce(x)
+    time.sleep(0.01)
+print(f"rank {r}: done", flush=True)
+'''
+
+
+@spawns_mpirun
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("calls_after", [500, 0])
+def test_calls_that_differ_between_hosts_end_the_job(tmp_path, cluster, calls_after):
+    """Ranks on two hosts that agree within each host but not across (float32 on node1,
+    int32 of the same bytes on node2): the watchdog's comparison across hosts ends the job
+    within seconds, naming both calls; also when the script leaves right after the call."""
+    script = tmp_path / "cross.py"
+    script.write_text(CROSS_HOST)
+    t0 = time.monotonic()
+    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script), str(calls_after)),
+                     clean_mpi_env(), timeout=300)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    reports = [ln for ln in out.splitlines() if "CollectiveMismatchError:" in ln and "two hosts" in ln]
+    assert reports, out[-4000:]
+    text = "\n".join(reports)
+    assert "float32" in text and "int32" in text and "all_reduce sequence 2" in text, text
+    assert "rank 3: done" not in out or calls_after == 0, out[-3000:]   # ended before 5 s of calls
+    assert took < 100, took
+
+
+CAUGHT = r'''
+import numpy as np
+import mpicomm
+
+mpicomm.init(backend="mpi")
+r = mpicomm.get_rank()
+rng = np.random.default_rng(r)
+x = rng.standard_normal(6)
+for case, who in (("refused", 1), ("refused again", 3)):
+    try:   # an out= of the wrong shape on one rank only: the others wait inside the call
+        mpicomm.all_reduce(x, out=np.empty(5) if r == who else None)
+        print(f"rank {r}: {case}: returned", flush=True)
+    except mpicomm.CollectiveMismatchError as e:
+        print(f"rank {r}: {case}: CollectiveMismatchError", flush=True)
+    except mpicomm.InvalidArgumentError as e:
+        print(f"rank {r}: {case}: InvalidArgumentError", flush=True)
+want = sum(np.random.default_rng(q).standard_normal(6) for q in range(4))
+for i in range(300):   # the group goes on, and its histories agree again across the hosts
+    got = mpicomm.all_reduce(x)
+    assert np.allclose(got, want), (i, got, want)
+print(f"rank {r}: went on", flush=True)
+'''
+
+
+@spawns_mpirun
+@pytest.mark.timeout(600)
+def test_refusals_do_not_end_a_two_host_job(tmp_path, cluster):
+    """A call refused on one rank (node1's rank 1, then node2's rank 3) while the others wait
+    inside it is raised on every rank of both hosts; the job goes on with right results, and
+    the comparison across hosts does not take the refused calls for a difference between
+    the hosts (every rank's history records them alike)."""
+    script = tmp_path / "caught.py"
+    script.write_text(CAUGHT)
+    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script)),
+                     clean_mpi_env(), timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for r in range(4):
+        for case, who in (("refused", 1), ("refused again", 3)):
+            want = "InvalidArgumentError" if r == who else "CollectiveMismatchError"
+            assert f"rank {r}: {case}: {want}" in out, out[-4000:]
+        assert f"rank {r}: went on" in out, out[-4000:]
+    assert "two hosts" not in out, out[-4000:]

@@ -108,6 +108,8 @@ class Reliability:
 
     def _atexit(self):
         status = self.exit.status()
+        if self.ctx.world is not None and self.ctx.world.size > 1:
+            self.watchdog.final_check()   # (ends the job if the last calls differ between hosts)
         self.progress.mark_exited(status)
         try:
             complete_dropped()   # before MPI is finalised: dropped work still writes into its buffers

@@ -39,11 +39,16 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import ENTERED, DONE, POISON, RING, RING_N, ROWS, SPEC, SPEC_N, SPECSEQ, F, HDR
+from .progress import (ENTERED, DONE, GHASH, HIST_N, HIST_SEQ, MEMBERS, POISON, RING, RING_N, ROWS, SPEC,
+                       SPEC_N, SPECSEQ, XR, F, HDR, hist_base)
 
 ALL_PEERS = 8         # up to this many members on a host, each compares with all of them
 WAIT_CHECK = 1.0      # s a call waits before the watchdog compares every member's signature
 REFUSAL_WAIT = 3.0    # s a call waits on a refused peer before the watchdog ends the job
+XHOST_EVERY = 0.25    # s between the watchdog's comparisons of calls across hosts
+XHOST_PERIOD = 1.0    # s a difference across hosts must last before it ends the job
+XHOST_GROUPS = 8      # groups compared across hosts per round (two RMA reads each)
+XHOST_GIVE_UP = 5.0   # s after which such a read is abandoned (a peer that does not answer)
 
 
 def poison_word(seq, wrank):
@@ -61,8 +66,10 @@ class HostRings:
     def __init__(self, local_comm, world_rank, enabled):
         self.views = {}          # world rank on this host -> its segment (int64 memoryview)
         self.comm = self.win = None
+        self.host = world_rank   # this host's name in the check: the lowest world rank on it
         if not enabled or local_comm is None or local_comm.Get_size() < 2:
             return
+        self.host = min(local_comm.allgather(world_rank))
         try:
             from mpi4py import MPI
 
@@ -107,6 +114,7 @@ def attach(disp, rings, progress, comm, wrank):
     the dispatcher its host neighbours' rings (the ranks before and after it on this host)."""
     g = disp.group
     slot = progress.slot(g)
+    host = getattr(rings, "host", wrank)
     mine = rings.views.get(wrank)
     if mine is not None and slot is not None:
         # the row may have been a destroyed group's: its old words must not meet this
@@ -114,11 +122,22 @@ def attach(disp, rings, progress, comm, wrank):
         b = rings.base(slot)
         for i in range(RING_N):
             mine[b + i] = 0
-    allv = comm.allgather((wrank, slot))
-    disp.slots = tuple(s for _, s in allv)
-    if slot is None or any(s is None for s in disp.slots) or not rings.views or not disp.check:
+    allv = comm.allgather((wrank, slot, host))
+    disp.slots = tuple(v[1] for v in allv)
+    if slot is None or any(s is None for s in disp.slots) or not disp.check:
         return
-    host = [i for i, (r, _) in enumerate(allv) if r in rings.views]
+    # across hosts: the group's first member on each host compares its calls with the next
+    # host's first member (the watchdog, about once a second: cross_host below)
+    firsts = {}
+    for j, v in enumerate(allv):
+        firsts.setdefault(v[2], j)
+    leaders = list(firsts.values())
+    if len(leaders) > 1 and g.rank in leaders:
+        j = leaders[(leaders.index(g.rank) + 1) % len(leaders)]
+        disp.xhost = (j, allv[j][0], allv[j][1])
+    if not rings.views:
+        return
+    host = [i for i, v in enumerate(allv) if v[0] in rings.views]
     if len(host) < 2:
         return
     if len(host) <= ALL_PEERS:   # every member on this host: no wrong result leaves a call
@@ -134,6 +153,56 @@ def attach(disp, rings, progress, comm, wrank):
     disp.more = disp.peers[1:]
     disp.shr = rings.views[wrank]   # set last: the dispatcher compares where it is set
     disp.shb = rings.base(slot)
+
+
+def cross_host_start(progress, disp):
+    """Start reading the next host's first member's row and history ring (two RMA reads,
+    completed at the watchdog's later wakes: cross_host)."""
+    j, wr, slot = disp.xhost
+    r1 = progress.start_read(wr, slot, F)
+    r2 = progress.start_read(wr, XR + (slot - HDR) // F * HIST_N, HIST_N)
+    return None if r1 is None or r2 is None else (r1, r2)
+
+
+def cross_host(progress, disp, b, row, theirs):
+    """Compare this rank's history ring for its group (row ENTERED index ``b``) with the next
+    host's first member's (its ``row`` and history ring ``theirs``, read by
+    cross_host_start). Returns None when they agree (or cannot be compared now), else
+    (the last call both hold, the first call that differs or None when it has left both
+    rings, the calls of both RINGs as {seq: (mine, theirs)}).
+
+    The histories hash every call so far, so any sequence number both rings hold compares
+    everything up to it. Not compared while either rank has a member's report (POISON) to
+    take in: its history changes when it raises (Dispatcher._rehistory)."""
+    m = progress.m
+    base = b - ENTERED
+    if m[base + POISON] or int(row[GHASH]) != int(m[base + GHASH]) or int(row[MEMBERS]) != int(m[base + MEMBERS]) \
+            or int(row[POISON]):
+        return None
+    mine = progress.read_words(progress.wrank, hist_base(b), HIST_N)
+    common = [i for i in range(HIST_N) if mine[i] and mine[i] >> 40 == theirs[i] >> 40]
+    if not common:
+        return None
+    last = max(common, key=lambda i: _unwrap(int(mine[i]) >> 40, disp.seq))
+    if mine[last] == theirs[last]:
+        return None
+    differ = sorted(_unwrap(int(mine[i]) >> 40, disp.seq) for i in common if mine[i] != theirs[i])
+    same = {_unwrap(int(mine[i]) >> 40, disp.seq) for i in common if mine[i] == theirs[i]}
+    first = differ[0] if differ[0] - 1 in same else None
+    calls = {}
+    for i in range(RING_N):
+        a, t = int(m[base + RING + i]), int(row[RING + i])
+        if a and a >> 32 == t >> 32:
+            calls[a >> 32] = (a, t)
+    return _unwrap(int(mine[last]) >> 40, disp.seq), first, calls
+
+
+def _unwrap(s, near):
+    """The sequence number whose low bits (HIST_SEQ) are ``s``, closest to ``near``."""
+    full = (near & ~HIST_SEQ) | s
+    if full > near + HIST_SEQ // 2:
+        full -= HIST_SEQ + 1
+    return full
 
 
 def read_row(progress, wrank, slot):
@@ -203,10 +272,10 @@ def set_checking(disp, on):
     """Turn group ``disp``'s agreement check off (``on`` False) or back on, as
     ``init(check=False)`` leaves it: for the bench's on/off comparison in one run."""
     if not on:
-        _OFF[id(disp)] = (disp.check, disp.peers, disp.shr)
-        disp.check, disp.peers, disp.shr = False, (), None
+        _OFF[id(disp)] = (disp.check, disp.peers, disp.shr, disp.xb)
+        disp.check, disp.peers, disp.shr, disp.xb = False, (), None, 0
     elif id(disp) in _OFF:
-        disp.check, disp.peers, disp.shr = _OFF.pop(id(disp))
+        disp.check, disp.peers, disp.shr, disp.xb = _OFF.pop(id(disp))
 
 
 _OFF = {}

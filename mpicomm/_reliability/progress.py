@@ -53,6 +53,25 @@ RING = SPEC + SPEC_N
 RING_N = 8
 F = RING + RING_N + 1
 WORDS = HDR + ROWS * F
+# After the rows: each row's history ring (the agreement check across hosts), HIST_N words
+# at XR + row index * HIST_N: at seq % HIST_N, (seq & HIST_SEQ) << 40 | the 40-bit hash of
+# every call of the group up to seq (see hist_next), so two ranks whose rings share any
+# sequence number compare their whole histories up to it.
+HIST_N = 256
+HIST_SEQ = 0x7FFFFF
+HIST_MASK = 0xFFFFFFFFFF
+XR = WORDS
+WIN_WORDS = WORDS + ROWS * HIST_N
+
+
+def hist_base(row):
+    """The first history word of the row whose ENTERED word is at ``row``."""
+    return XR + (row - ENTERED - HDR) // F * HIST_N
+
+
+def hist_next(h, w):
+    """The history hash after a call whose ring word is ``w`` (order-dependent)."""
+    return (h * 0x100000001B3 + w) & HIST_MASK
 # the dispatcher writes a row's words by their offset from ENTERED
 assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
@@ -73,6 +92,13 @@ def p2p_word(count, code, peer):
     return (count & 0xFFFFFF) << 28 | (peer & 0xFFFFFF) << 4 | code
 
 
+def _done(q):
+    try:
+        return q.Test()
+    except Exception:
+        return True
+
+
 def p2p_fields(word):
     """(code, peer world rank) of a P2P word."""
     return word & 15, (word >> 4) & 0xFFFFFF
@@ -89,16 +115,17 @@ class Progress:
         self.names = {}                  # group hash -> name (every rank knows every group's name)
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
+        self._late = []                  # (request, buffer) of RMA reads not answered in time
         self.win = None
         self.comm = None
         try:
             self.comm = world_comm.Dup()
-            self.win = quiet(lambda: MPI.Win.Allocate(WORDS * 8, 8, comm=self.comm))
+            self.win = quiet(lambda: MPI.Win.Allocate(WIN_WORDS * 8, 8, comm=self.comm))
             mem = memoryview(self.win.tomemory()).cast("B")
             self.win.Lock_all()          # one passive epoch for the whole run: reads need no lock
         except Exception:                # no RMA here: keep a private table, peers show "unknown"
             self.win = None
-            mem = memoryview(bytearray(WORDS * 8))
+            mem = memoryview(bytearray(WIN_WORDS * 8))
         self.m = mem.cast("q")
         self.m[0] = MAGIC
         self.m[1] = os.getpid()
@@ -120,6 +147,9 @@ class Progress:
         m = self.m
         for i in range(F):
             m[b + i] = 0
+        x = hist_base(b + ENTERED)
+        for i in range(HIST_N):
+            m[x + i] = 0
         m[b + GHASH] = ghash(g.name)
         m[b + MEMBERS] = members_hash(g.ranks)
         self.rows[g] = b + ENTERED
@@ -153,6 +183,8 @@ class Progress:
             reqs = [q for q in reqs if not q.Test()]
             if reqs:
                 time.sleep(0.002)
+        for q in reqs:
+            self._keep(q, stamp)
 
     def name(self, g):
         self.names[ghash(g.name)] = g.name
@@ -199,9 +231,41 @@ class Progress:
         deadline = time.monotonic() + READ_WAIT
         while not q.Test():
             if time.monotonic() > deadline:
+                self._keep(q, buf)
                 return None
             time.sleep(0.0005)
         return buf
+
+    def start_read(self, rank, index, n):
+        """Start reading ``n`` words at ``index`` of world ``rank``'s window (RMA); returns
+        (request, buffer), or None. The watchdog tests it at its next wakes (``done_read``)
+        instead of waiting: a busy wait here was seen to stall the job's own calls on a
+        transport that emulates RMA with messages."""
+        if self.win is None or rank == self.wrank:
+            return None
+        from mpi4py import MPI
+
+        buf = np.zeros(n, np.int64)
+        try:
+            return self.win.Rget([buf, MPI.INT64_T], rank, target=(index, n, MPI.INT64_T)), buf
+        except Exception:
+            return None
+
+    def done_read(self, read, give_up=False):
+        """The words of a read from ``start_read`` once it has completed, else None (with
+        ``give_up``: it is abandoned, its buffer kept until MPI has written it)."""
+        q, buf = read
+        if _done(q):
+            return buf
+        if give_up:
+            self._keep(q, buf)
+        return None
+
+    def _keep(self, q, buf):
+        """An RMA request that did not complete in time: its buffer stays alive until it
+        has (MPI writes into it when the peer answers late; freeing it would corrupt the heap)."""
+        self._late = [(r, b) for r, b in self._late if not _done(r)]
+        self._late.append((q, buf))
 
     def set_reason(self, text):
         """Publish the text of this rank's last agreement report (truncated to fit)."""
@@ -276,6 +340,8 @@ class Progress:
                         out[r] = bufs[r]
             if reqs:
                 time.sleep(0.002)
+        for r, q in reqs.items():
+            self._keep(q, bufs[r])
         return out
 
     def close(self, free):
