@@ -27,7 +27,7 @@
 # and nsenter (util-linux), python3. Variables: OUT (logs, default ./out), PY (python3),
 # MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
 # (10.78.0), QUICK=1 (smaller sizes everywhere), BUDGET_S (540: later steps are skipped),
-# MPICOMM_REHEARSAL_GPU (auto: the GPU steps where 4 GPUs and CuPy are; 1 or 0 to choose),
+# MPICOMM_REHEARSAL_GPU (auto: the GPU steps where 2 or more GPUs and CuPy are; 1 or 0 to choose),
 # NGPU (GPUs to split between the hosts), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -180,9 +180,10 @@ EOF
     } >"$STATE/host_gpus"
     chmod 755 "$STATE/rsh_agent" "$STATE/host_gpus"
     {
-        echo "# written by scripts/gpu_cluster_rehearsal.sh: 2 hosts x 2 ranks"
+        local per=${PER_HOST:-2}
+        echo "# written by scripts/gpu_cluster_rehearsal.sh: 2 hosts x $per ranks"
         for i in "${!HOSTS[@]}"; do
-            if [[ $mode == mount ]]; then echo "${HOSTS[$i]} slots=2"; else echo "$PREFIX.$((i + 1)) slots=2"; fi
+            if [[ $mode == mount ]]; then echo "${HOSTS[$i]} slots=$per"; else echo "$PREFIX.$((i + 1)) slots=$per"; fi
         done
     } >"$STATE/hostfile"
     # What every command on the hosts runs with (cmd_exec sources it).
@@ -297,22 +298,26 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     } >>"$SUM" 2>&1
     local gpu=0 backend=mpi
     case ${MPICOMM_REHEARSAL_GPU:-auto} in
-        auto) if ((ngpu >= 4)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1; fi ;;
+        auto) if ((ngpu >= 2)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1; fi ;;
         1) gpu=1 ;;
         0) gpu=0 ;;
         *) die "MPICOMM_REHEARSAL_GPU=${MPICOMM_REHEARSAL_GPU}: expected auto, 1 (GPU steps) or 0 (MPI steps)" ;;
     esac
     ((gpu)) && backend=nccl
-    # Fewer than 4 GPUs, or the MPI steps chosen: no rank sees a GPU (each host needs 2).
-    local hide=0
+    # Ranks per host: one per GPU of its half (2 GPUs: one per host; 8: four), else 2 (the
+    # MPI steps). Fewer than 2 GPUs, or the MPI steps chosen: no rank sees a GPU.
+    local hide=0 per=2
     ((!gpu && ngpu > 0)) && hide=1
+    ((gpu)) && per=$((ngpu / 2))
+    ((per >= 1)) || die "the GPU steps need 2 GPUs or more (NGPU=$ngpu)"
+    local np=$((2 * per))
     local t_up=$SECONDS
-    NGPU=$ngpu HIDE_GPUS=$hide cmd_up >>"$LOG" 2>&1 || { echo "up failed; see $LOG" | tee -a "$SUM"; tail -5 "$LOG"; return 1; }
+    NGPU=$ngpu HIDE_GPUS=$hide PER_HOST=$per cmd_up >>"$LOG" 2>&1 || { echo "up failed; see $LOG" | tee -a "$SUM"; tail -5 "$LOG"; return 1; }
     echo "hosts up in $((SECONDS - t_up))s: ${HOSTS[0]} $PREFIX.1, ${HOSTS[1]} $PREFIX.2 (veth $IFNAME); GPUs: $(grep -o '[a-z0-9]*) export CUDA_VISIBLE_DEVICES=[0-9,]*' "$STATE/host_gpus" | tr '\n' ' ')$( ((hide)) && echo "none (hidden: the MPI steps)")" | tee -a "$SUM"
 
     # mpicomm-run on the first host, the hostfile naming both; every rank starts through
     # host_gpus (its host's GPUs), then Python under mpi4py (an exception ends the job).
-    local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n 4
+    local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n "$np"
                   -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED)
     local -a PYR=("$STATE/host_gpus" "$PY" -m mpi4py)
     local -a PYT=(-m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi -x)
@@ -320,11 +325,11 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
 
     step "doctor-net" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net
     if ((gpu)); then
-        step "gpu-tests-np4" 240 "${RUN[@]}" --timeout 230 "${PYR[@]}" "${PYT[@]}" tests/test_gpu.py
+        step "gpu-tests-np$np" 240 "${RUN[@]}" --timeout 230 "${PYR[@]}" "${PYT[@]}" tests/test_gpu.py
     else
-        step "mpi-tests-np4" 300 "${RUN[@]}" --timeout 290 "${PYR[@]}" "${PYT[@]}" tests/test_collectives.py
+        step "mpi-tests-np$np" 300 "${RUN[@]}" --timeout 290 "${PYR[@]}" "${PYT[@]}" tests/test_collectives.py
     fi
-    step "train-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" scripts/train_data_parallel.py --min-accuracy 0.9
+    step "train-np$np" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" scripts/train_data_parallel.py --min-accuracy 0.9
     local top=1G f=8 reps=(-w 2 --rounds 2)
     ((gpu)) || top=4M
     ((q)) && top=1M
@@ -343,9 +348,9 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
 
     # The whole smoke test after the benchmarks: where it is slow, it cannot crowd them out.
     if ((gpu)); then
-        step "smoke-nccl-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl
+        step "smoke-nccl-np$np" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl
     else
-        step "smoke-mpi-np4" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --quick
+        step "smoke-mpi-np$np" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.smoke --quick
     fi
 
     # The likely failures, on purpose, so that their messages are on record.
