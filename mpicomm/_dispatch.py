@@ -32,8 +32,7 @@ from ._backends.base import IN_PLACE, NEVER, NEW, OUT, _dropped as _DROPPED, com
 from ._callspec import REFUSED, PeerSpec, plain_spec, spec_of
 from ._ops import BARRIER, BROADCAST, COLLECTIVES, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.flight import new_ring
-from ._reliability.progress import (HIST_MASK, HIST_N, HIST_SEQ, P2P, P2P_GH, P2P_TAG, ghash, hist_base,
-                                    hist_next, p2p_word)
+from ._reliability.progress import ENTERED, P2P, P2P_GH, P2P_TAG, REPORTED, calls_base, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
@@ -68,7 +67,7 @@ class Dispatcher:
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
                  "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync",
-                 "xhost", "xh", "xb")
+                 "xhost", "cb")
 
     def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True):
         self.group = group
@@ -102,8 +101,7 @@ class Dispatcher:
         self.resync = False            # a fresh communicator is due at the next call (MPI)
         self.xhost = None              # (group rank, world rank, row) on the next host, compared
         #                                by the watchdog (this rank is its host's first member)
-        self.xh = 0                    # the hash of the group's calls so far (its history)
-        self.xb = hist_base(row) if self.check else 0   # where its history ring is (0: off)
+        self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % 256)
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
@@ -147,11 +145,7 @@ class Dispatcher:
                         del known[next(iter(known))]   # the least recently used
                     known[key] = p
             w = seq << 32 | p.sig
-            m[b + 14 + k] = w        # RING (mpicomm._reliability.progress)
-            xb = self.xb
-            if xb:                   # the history, compared across hosts (hist_next inline)
-                h = self.xh = (self.xh * 0x100000001B3 + w) & 0xFFFFFFFFFF
-                m[xb + (seq & 255)] = (seq & 0x7FFFFF) << 40 | h
+            m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
             sh = self.shr
             if sh is not None:
                 sh[self.shb + k] = w
@@ -165,7 +159,7 @@ class Dispatcher:
                 m[b + 1] = v
                 err = mpi_error(e, NAMES[code], seq, self.group.name)
                 if isinstance(err, CollectiveMismatchError) and self.check:
-                    w = m[b + 14 + k]
+                    w = m[self.cb + (seq & 255)]
                     other = next((j for pm, pb, j in self.peers
                                   if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
                     self.disagree(seq, code, other, err if other is None else None)
@@ -214,7 +208,7 @@ class Dispatcher:
                 return getattr(e[2], "spec", None) if e[2] is not None else plain_spec(e[1])
         m, b = self.mem, self.row
         e = m[b]
-        w = m[b + 14 + (seq & 7)]
+        w = m[self.cb + (seq & 255)]
         if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
             p = self.last[e & 15]
             if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
@@ -257,33 +251,16 @@ class Dispatcher:
         own error): a member's later report about it is not news here."""
         if seq > self.raised:
             self.raised = seq
-
-    def _history(self, seq, w):
-        """Add call ``seq`` (ring word ``w``) to the group's history (as the hot path does)."""
-        self.xh = hist_next(self.xh, w)
-        self.mem[self.xb + (seq & (HIST_N - 1))] = (seq & HIST_SEQ) << 40 | self.xh
-
-    def _rehistory(self, k):
-        """Every member raised for call ``k``: it enters the history as REFUSED on every rank
-        alike (their calls differed), and the calls after it are added again on top."""
-        m, xb = self.mem, self.xb
-        if not xb or k > self.seq:
-            return
-        prev = m[xb + ((k - 1) & (HIST_N - 1))]
-        h = prev & HIST_MASK if k > 1 and prev >> 40 == (k - 1) & HIST_SEQ else 0
-        self.xh = h
-        for s in range(k, self.seq + 1):
-            w = m[self.row + 14 + (s & 7)]   # the row's RING word of call s
-            self._history(s, s << 32 | REFUSED if s == k or w >> 32 != s else w)
+            self.mem[self.row - ENTERED + REPORTED] = seq
 
     def _after(self, seq, entered):
         """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
         (MPI) when any rank entered it."""
         from ._reliability.agreement import poison_word
 
-        if seq > self.raised:
-            self._rehistory(seq)
         self.raised = max(self.raised, seq)
+        # published: the comparison across hosts passes over the calls raised for
+        self.mem[self.row - ENTERED + REPORTED] = self.raised
         if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
             self.resync = True
             if not self.mem[self.row + 5]:   # (a member's report there brings the next call here too)
@@ -343,7 +320,7 @@ class Dispatcher:
                 if e is not None else reason)
         self.rel.progress.set_reason(text)
         w = seq << 32 | _R
-        m[b + 14 + (seq & 7)] = w
+        m[self.cb + (seq & 255)] = w
         if self.shr is not None:
             self.shr[self.shb + (seq & 7)] = w
         if e is not None:
@@ -556,9 +533,7 @@ class Dispatcher:
             self.poisoned(seq, code)
         m[b] = v
         w = seq << 32 | plain_spec(code).sig
-        m[b + 14 + (seq & 7)] = w
-        if self.xb:
-            self._history(seq, w)
+        m[self.cb + (seq & 255)] = w
         if self.shr is not None:
             self.shr[self.shb + (seq & 7)] = w
         if self.fr is not None:

@@ -39,8 +39,12 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (ENTERED, DONE, GHASH, HIST_N, HIST_SEQ, MEMBERS, POISON, RING, RING_N, ROWS, SPEC,
-                       SPEC_N, SPECSEQ, XR, F, HDR, hist_base)
+from .progress import (CALLS_N, ENTERED, DONE, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ, XR,
+                       F, HDR, calls_base)
+
+HOST_N = 8            # calls kept in the host-shared copy of each row's ring
+RING = F              # where a row read by read_row holds its ring of calls
+RING_N = CALLS_N
 
 ALL_PEERS = 8         # up to this many members on a host, each compares with all of them
 WAIT_CHECK = 1.0      # s a call waits before the watchdog compares every member's signature
@@ -76,13 +80,13 @@ class HostRings:
             from .abort import quiet
 
             self.comm = local_comm.Dup()
-            self.win = quiet(lambda: MPI.Win.Allocate_shared(ROWS * RING_N * 8, 8, comm=self.comm))
+            self.win = quiet(lambda: MPI.Win.Allocate_shared(ROWS * HOST_N * 8, 8, comm=self.comm))
             ranks = self.comm.allgather(world_rank)
             for i, r in enumerate(ranks):
                 buf, _ = self.win.Shared_query(i)
                 self.views[r] = memoryview(buf).cast("B").cast("q")
             mine = self.views[world_rank]
-            for i in range(ROWS * RING_N):
+            for i in range(ROWS * HOST_N):
                 mine[i] = 0
             self.comm.Barrier()
         except Exception:   # no shared memory here: only the watchdog compares
@@ -91,7 +95,7 @@ class HostRings:
     @staticmethod
     def base(slot):
         """The first ring word of the row at window index ``slot`` in a shared segment."""
-        return (slot - HDR) // F * RING_N
+        return (slot - HDR) // F * HOST_N
 
     def close(self, free):
         w, self.win = self.win, None
@@ -120,7 +124,7 @@ def attach(disp, rings, progress, comm, wrank):
         # the row may have been a destroyed group's: its old words must not meet this
         # group's sequence numbers (the peers read them only after the allgather below)
         b = rings.base(slot)
-        for i in range(RING_N):
+        for i in range(HOST_N):
             mine[b + i] = 0
     allv = comm.allgather((wrank, slot, host))
     disp.slots = tuple(v[1] for v in allv)
@@ -156,58 +160,45 @@ def attach(disp, rings, progress, comm, wrank):
 
 
 def cross_host_start(progress, disp):
-    """Start reading the next host's first member's row and history ring (two RMA reads,
+    """Start reading the next host's first member's row and ring of calls (two RMA reads,
     completed at the watchdog's later wakes: cross_host)."""
     j, wr, slot = disp.xhost
     r1 = progress.start_read(wr, slot, F)
-    r2 = progress.start_read(wr, XR + (slot - HDR) // F * HIST_N, HIST_N)
+    r2 = progress.start_read(wr, XR + (slot - HDR) // F * CALLS_N, CALLS_N)
     return None if r1 is None or r2 is None else (r1, r2)
 
 
 def cross_host(progress, disp, b, row, theirs):
-    """Compare this rank's history ring for its group (row ENTERED index ``b``) with the next
-    host's first member's (its ``row`` and history ring ``theirs``, read by
-    cross_host_start). Returns None when they agree (or cannot be compared now), else
-    (the last call both hold, the first call that differs or None when it has left both
-    rings, the calls of both RINGs as {seq: (mine, theirs)}).
-
-    The histories hash every call so far, so any sequence number both rings hold compares
-    everything up to it. Not compared while either rank has a member's report (POISON) to
-    take in: its history changes when it raises (Dispatcher._rehistory)."""
+    """Compare this rank's ring of calls for its group (row ENTERED index ``b``) with the
+    next host's first member's (its ``row`` and ring ``theirs``, read by cross_host_start):
+    every call both rings hold, but those refused or raised for on either rank (REPORTED)
+    and while either rank has a member's report (POISON) to take in. Returns None when they
+    agree, else (the first call that differs, this rank's word, theirs)."""
     m = progress.m
     base = b - ENTERED
     if m[base + POISON] or int(row[GHASH]) != int(m[base + GHASH]) or int(row[MEMBERS]) != int(m[base + MEMBERS]) \
             or int(row[POISON]):
         return None
-    mine = progress.read_words(progress.wrank, hist_base(b), HIST_N)
-    common = [i for i in range(HIST_N) if mine[i] and mine[i] >> 40 == theirs[i] >> 40]
-    if not common:
-        return None
-    last = max(common, key=lambda i: _unwrap(int(mine[i]) >> 40, disp.seq))
-    if mine[last] == theirs[last]:
-        return None
-    differ = sorted(_unwrap(int(mine[i]) >> 40, disp.seq) for i in common if mine[i] != theirs[i])
-    same = {_unwrap(int(mine[i]) >> 40, disp.seq) for i in common if mine[i] == theirs[i]}
-    first = differ[0] if differ[0] - 1 in same else None
-    calls = {}
-    for i in range(RING_N):
-        a, t = int(m[base + RING + i]), int(row[RING + i])
-        if a and a >> 32 == t >> 32:
-            calls[a >> 32] = (a, t)
-    return _unwrap(int(mine[last]) >> 40, disp.seq), first, calls
-
-
-def _unwrap(s, near):
-    """The sequence number whose low bits (HIST_SEQ) are ``s``, closest to ``near``."""
-    full = (near & ~HIST_SEQ) | s
-    if full > near + HIST_SEQ // 2:
-        full -= HIST_SEQ + 1
-    return full
+    done = max(int(m[base + REPORTED]), int(row[REPORTED]))
+    mine = progress.read_words(progress.wrank, calls_base(b), CALLS_N)
+    first = None
+    for i in range(CALLS_N):
+        a, t = int(mine[i]), int(theirs[i])
+        if a != t and a and a >> 32 == t >> 32 and a >> 32 > done \
+                and a & 0xFFFFFFFF != REFUSED and t & 0xFFFFFFFF != REFUSED:
+            if first is None or a >> 32 < first[0]:
+                first = (a >> 32, a, t)
+    return first
 
 
 def read_row(progress, wrank, slot):
-    """World rank ``wrank``'s row (F words at ``slot``), or None."""
-    return progress.read_words(wrank, slot, F)
+    """World rank ``wrank``'s row (F words at ``slot``) followed by its ring of calls
+    (RING_N words from RING), or None."""
+    row = progress.read_words(wrank, slot, F)
+    if row is None:
+        return None
+    ring = progress.read_words(wrank, XR + (slot - HDR) // F * CALLS_N, CALLS_N)
+    return None if ring is None else np.concatenate([row, ring])
 
 
 def ring_word(row, seq):
@@ -272,10 +263,10 @@ def set_checking(disp, on):
     """Turn group ``disp``'s agreement check off (``on`` False) or back on, as
     ``init(check=False)`` leaves it: for the bench's on/off comparison in one run."""
     if not on:
-        _OFF[id(disp)] = (disp.check, disp.peers, disp.shr, disp.xb)
-        disp.check, disp.peers, disp.shr, disp.xb = False, (), None, 0
+        _OFF[id(disp)] = (disp.check, disp.peers, disp.shr)
+        disp.check, disp.peers, disp.shr = False, (), None
     elif id(disp) in _OFF:
-        disp.check, disp.peers, disp.shr, disp.xb = _OFF.pop(id(disp))
+        disp.check, disp.peers, disp.shr = _OFF.pop(id(disp))
 
 
 _OFF = {}

@@ -44,34 +44,27 @@ ROWS = 256         # groups published per rank (the last row is a shared, unpubl
 # The agreement check's words: POISON, written by peers (RMA put), says that a rank found
 # a disagreement or refused call (its sequence number << 24 | that world rank + 1);
 # SPECSEQ and the SPEC words describe this rank's call of that sequence number (the
-# watchdog publishes them when a call waits, or when a peer's report asks for them);
-# RING holds the last RING calls' words (seq << 32 | signature), at seq % RING.
+# watchdog publishes them when a call waits, or when a peer's report asks for them).
 (GHASH, ENTERED, DONE, TDONE, RAISED, MEMBERS, POISON, SPECSEQ) = range(8)
 SPEC = 8
 SPEC_N = 7
-RING = SPEC + SPEC_N
-RING_N = 8
-F = RING + RING_N + 1
+REPORTED = SPEC + SPEC_N   # the last call this rank raised a disagreement or refusal for
+F = REPORTED + 1
 WORDS = HDR + ROWS * F
-# After the rows: each row's history ring (the agreement check across hosts), HIST_N words
-# at XR + row index * HIST_N: at seq % HIST_N, (seq & HIST_SEQ) << 40 | the 40-bit hash of
-# every call of the group up to seq (see hist_next), so two ranks whose rings share any
-# sequence number compare their whole histories up to it.
-HIST_N = 256
-HIST_SEQ = 0x7FFFFF
-HIST_MASK = 0xFFFFFFFFFF
+# After the rows: each row's ring of calls, CALLS_N words at calls_base(row): at
+# seq % CALLS_N, the word of the group's call seq (seq << 32 | its signature), or of its
+# refusal (signature REFUSED). One store per call; the host neighbours' copy is
+# agreement.HostRings; the watchdog compares it across hosts and for a waiting call.
+CALLS_N = 256
 XR = WORDS
-WIN_WORDS = WORDS + ROWS * HIST_N
+WIN_WORDS = WORDS + ROWS * CALLS_N
 
 
-def hist_base(row):
-    """The first history word of the row whose ENTERED word is at ``row``."""
-    return XR + (row - ENTERED - HDR) // F * HIST_N
+def calls_base(row):
+    """The first word of the ring of calls of the row whose ENTERED word is at ``row``."""
+    return XR + (row - ENTERED - HDR) // F * CALLS_N
 
 
-def hist_next(h, w):
-    """The history hash after a call whose ring word is ``w`` (order-dependent)."""
-    return (h * 0x100000001B3 + w) & HIST_MASK
 # the dispatcher writes a row's words by their offset from ENTERED
 assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
@@ -147,8 +140,8 @@ class Progress:
         m = self.m
         for i in range(F):
             m[b + i] = 0
-        x = hist_base(b + ENTERED)
-        for i in range(HIST_N):
+        x = calls_base(b + ENTERED)
+        for i in range(CALLS_N):
             m[x + i] = 0
         m[b + GHASH] = ghash(g.name)
         m[b + MEMBERS] = members_hash(g.ranks)

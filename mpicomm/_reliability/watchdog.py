@@ -44,7 +44,7 @@ class Watchdog:
         self._refused_seen = {}        # (row, seq) -> when a member's refusal of it was first seen
         self._dump_seen = 0            # the last DUMP stamp answered
         self._xnext = 0.0              # when the calls are next compared across hosts
-        self._xseen = {}               # row -> when its history was first seen to differ across hosts
+        self._xseen = {}               # row -> (first call that differs across hosts, when first seen)
         self._xturn = 0                # where the next round of those comparisons starts
         self._xspec = {}               # row -> this rank's CallSpec of the first call that differs
         self._xread = {}               # row -> (partner, its reads in flight, started)
@@ -158,7 +158,7 @@ class Watchdog:
             if who != self.progress.wrank and k <= e >> 4:
                 want = k
         if want is None and e != d:   # the call waiting now, unless this rank refused it (no spec:
-            w = m[base + agr.RING + (e >> 4) % agr.RING_N]   # the SPEC words keep the reported call's)
+            w = m[disp.cb + (e >> 4) % agr.CALLS_N]   # the SPEC words keep the reported call's)
             if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
                 want = e >> 4
         if want is None or m[base + SPECSEQ] == want or b in self._xseen:   # (keeps the cross-host report's)
@@ -189,7 +189,7 @@ class Watchdog:
         if len(self._compared) > 4096:
             self._compared.clear()
             self._refused_seen.clear()
-        mine = int(m[b - ENTERED + agr.RING + seq % agr.RING_N])
+        mine = int(m[disp.cb + seq % agr.CALLS_N])
         if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
             return False   # this rank refused the call: its refusal is in progress
         bad, refused = [], []
@@ -277,19 +277,19 @@ class Watchdog:
                 self._xseen.pop(b, None)
                 self._xspec.pop(b, None)
                 continue
-            last, first, calls = found
-            if b not in self._xseen:
-                self._xseen[b] = now
-                sp = disp.spec_for(first) if first is not None else None
+            first = found[0]
+            if self._xseen.get(b, (None,))[0] != first:
+                self._xseen[b] = (first, now)
+                sp = disp.spec_for(first)
                 self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
                 if sp is not None:    # for the other host's report
                     agr.publish_spec(self.progress.m, b, first, sp)
-            if now - self._xseen[b] < agr.XHOST_PERIOD and not final:
+            if now - self._xseen[b][1] < agr.XHOST_PERIOD and not final:
                 continue   # a member's report may still be on its way
-            return self._fire_cross(g, b, disp, last, first, calls)
+            return self._fire_cross(g, b, disp, *found)
         return False
 
-    def _fire_cross(self, g, b, disp, last, first, calls):
+    def _fire_cross(self, g, b, disp, first, mine_w, theirs_w):
         from .._callspec import PeerSpec
 
         with self._lock:
@@ -298,30 +298,23 @@ class Watchdog:
             self.fired = True
         j, wr, slot = disp.xhost
         me = self.progress.wrank
-        if first is not None:
-            me_spec = self._xspec.get(b) or disp.spec_for(first)
-            if me_spec is not None:
-                agr.publish_spec(self.progress.m, b, first, me_spec)
-            sw = None   # the other host's first member describes its call too (its watchdog)
-            for _ in range(int(agr.XHOST_PERIOD * 2 / 0.1)):
-                row = agr.read_row(self.progress, wr, slot)
-                sw = agr.spec_words(row, first) if row is not None else None
-                if sw is not None or row is None:
-                    break
-                time.sleep(0.1)
-            pair = calls.get(first)
-            mine = me_spec.describe() if me_spec is not None else (
-                f"signature {pair[0] & 0xFFFFFFFF:#010x}" if pair else "a call")
-            other = PeerSpec(sw).describe(me_spec) if sw is not None else (
-                f"another call (signature {pair[1] & 0xFFFFFFFF:#010x})" if pair else "another call")
-            what = f"; differs in {me_spec.diff(PeerSpec(sw))}" if sw is not None and me_spec is not None else ""
-            name = me_spec.name if me_spec is not None else "call"
-            why = (f"{name} sequence {first} on group {g.name!r}: the ranks on two hosts called differently: "
-                   f"rank {me}: {mine}; rank {wr}: {other}{what}")
-        else:
-            why = (f"group {g.name!r}: the ranks on two hosts called differently at or before its call {last} "
-                   f"(rank {me} and rank {wr}; the first call that differs is older than the last "
-                   f"{agr.HIST_N} calls compared)")
+        me_spec = self._xspec.get(b) or disp.spec_for(first)
+        if me_spec is not None:
+            agr.publish_spec(self.progress.m, b, first, me_spec)
+        sw = None   # the other host's first member describes its call too (its watchdog)
+        for _ in range(int(agr.XHOST_PERIOD * 2 / 0.1)):
+            row = self.progress.read_words(wr, slot, F)
+            sw = agr.spec_words(row, first) if row is not None else None
+            if sw is not None or row is None:
+                break
+            time.sleep(0.1)
+        mine = me_spec.describe() if me_spec is not None else f"signature {mine_w & 0xFFFFFFFF:#010x}"
+        other = PeerSpec(sw).describe(me_spec) if sw is not None else \
+            f"another call (signature {theirs_w & 0xFFFFFFFF:#010x})"
+        what = f"; differs in {me_spec.diff(PeerSpec(sw))}" if sw is not None and me_spec is not None else ""
+        name = me_spec.name if me_spec is not None else "call"
+        why = (f"{name} sequence {first} on group {g.name!r}: the ranks on two hosts called differently: "
+               f"rank {me}: {mine}; rank {wr}: {other}{what}")
         msg = (f"rank {me}: {why}. The calls returned on both hosts, so their results differ between "
                "them; every rank must make the same call (collective, dtype, element count, op, root, "
                "sizes). The job ends: ranks on different hosts are compared after their calls")
