@@ -173,7 +173,7 @@ def test_calls_that_differ_between_hosts_end_the_job(tmp_path, cluster, calls_af
     script.write_text(CROSS_HOST)
     t0 = time.monotonic()
     proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script), str(calls_after)),
-                     clean_mpi_env(), timeout=300)
+                     clean_mpi_env({"MPICOMM_TRACE_DIR": str(tmp_path)}), timeout=300)
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
