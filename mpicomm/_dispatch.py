@@ -115,8 +115,12 @@ class Dispatcher:
             if arg.__class__ is not Sized:   # (sized calls are prepared every time)
                 try:
                     key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role)
+                    if not self.known:
+                        hash(key)
                     p = self.known.pop(key, None)
-                except (AttributeError, TypeError):   # no shape, or an unhashable argument
+                except (AttributeError, TypeError):   # no shape, or an unhashable argument (a shape
+                    #                                   type such as Paddle's; pop() on an empty dict
+                    #                                   does not hash, hence hash() there)
                     key = None
                 if p is not None:
                     self.known[key] = p   # back in, as the most recently used

@@ -355,3 +355,35 @@ def test_known_calls_evict_the_least_recently_used(comm, monkeypatch):
             assert prepared == [(KNOWN_CALLS + step,)], step
         else:   # (a shape an earlier test left prepared is reused)
             assert prepared[-1] == (KNOWN_CALLS,) and set(prepared) <= set(loop + [(KNOWN_CALLS,)])
+
+
+class _ListShaped:
+    """A DLPack array whose ``shape`` is a list (unhashable), as Paddle's Size is."""
+
+    def __init__(self, a):
+        self.a = a
+        self.shape = list(a.shape)
+        self.dtype = a.dtype
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+@pytest.mark.mpi
+def test_arrays_with_an_unhashable_shape_are_not_cached_and_work(comm):
+    """An array type whose shape cannot be a dict key (Paddle's tensors) is prepared every
+    call instead of kept, also when the group has kept no call yet."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    g = mpicomm.create_group(f"unhashable-{n}", list(range(n)))   # a group with no kept calls
+    try:
+        for i in range(3):
+            x = np.random.default_rng(100 * r + i).standard_normal(5).astype(np.float32)
+            want = sum(np.random.default_rng(100 * q + i).standard_normal(5).astype(np.float32) for q in range(n))
+            got = mpicomm.all_reduce(_ListShaped(x), group=f"unhashable-{n}")
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+    finally:
+        mpicomm.destroy_group(f"unhashable-{n}")
+    del g
