@@ -10,7 +10,8 @@
 #   scripts/test.sh -k all_reduce   other arguments go to every pytest run
 # Tests that need sshd and network namespaces (two-host jobs) skip where those are missing,
 # with the reason in the summary; MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
-# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_TIMEOUT (s per run;
+# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=3 (processes for
+#              the serial tests; 1: one), MPICOMM_TEST_TIMEOUT (s per run;
 #              default 1500 for the serial run, 600 for each MPI run),
 #              MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
 #              MPICOMM_VENV=.venv, MPICOMM_NO_INSTALL=1 (use the current python as is).
@@ -87,7 +88,14 @@ stage() {
 }
 
 echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
-stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
+# The serial tests mostly wait for the jobs they start (timeouts, reports): run in
+# MPICOMM_TEST_JOBS processes (default 3; pytest-xdist), a test file per process at a time.
+jobs=${MPICOMM_TEST_JOBS:-3}
+par=()
+if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
+    par=(-n "$jobs" --dist loadfile)
+fi
+stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 
 for n in $ranks; do
     echo "== MPI tests at $n rank(s) (rank 0 shown; the others' log tails follow a failure)"

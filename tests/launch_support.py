@@ -1,4 +1,5 @@
 """Helpers for the tests that start their own mpirun (launcher, doctor, two-host job)."""
+import contextlib
 import os
 import shutil
 import subprocess
@@ -64,3 +65,17 @@ def netns_refused():
     if probe.returncode != 0:
         return f"cannot create network namespaces here: {probe.stderr.strip()}"
     return None
+
+
+@contextlib.contextmanager
+def netns_lock():
+    """Held while a test makes the network-namespace hosts of scripts/netns_cluster.sh (their
+    names are fixed): tests in other pytest-xdist processes wait for it."""
+    import fcntl
+
+    with open("/tmp/mpicomm-netns-tests.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

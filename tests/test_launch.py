@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch_support import ROOT, clean_mpi_env, have_mpirun, require, run_cli, spawns_mpirun
+from launch_support import ROOT, clean_mpi_env, have_mpirun, netns_lock, require, run_cli, spawns_mpirun
 from mpicomm.launch import allocation as al
 from mpicomm.launch import hostfile as hf
 from mpicomm.launch import mpirun as mr
@@ -1049,14 +1049,19 @@ def test_launch_timeout_names_the_host_that_never_started(tmp_path):
     then waits: mpicomm-run on node1 names node2 after --launch-timeout, exits 124, and
     leaves no ssh or mpirun behind. Needs root, network namespaces and sshd: skipped where
     they are missing, failed there under MPICOMM_TEST_STRICT=1 (CI installs them)."""
-    import re
-    import signal
-
     from test_two_host import _why_not
 
     require(_why_not())
     state = "/run/mpicomm-netns-launch"
     env = dict(os.environ, MPICOMM_NETNS_STATE=state)
+    with netns_lock():   # the namespaces' names are those of test_two_host.py's hosts
+        _host_never_started(tmp_path, state, env)
+
+
+def _host_never_started(tmp_path, state, env):
+    import re
+    import signal
+
     sshd = None
     try:
         up = subprocess.run(["bash", NETNS_SCRIPT, "up"], env=env, capture_output=True, text=True, timeout=120)

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from launch_support import (ROOT, clean_mpi_env, have_mpirun, netns_refused, require, run_cli, spawns_mpirun,
-                            world_size_from_env)
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, netns_lock, netns_refused, require, run_cli,
+                            spawns_mpirun, world_size_from_env)
 
 SCRIPT = os.path.join(ROOT, "scripts", "netns_cluster.sh")
 STATE = "/run/mpicomm-netns-test"
@@ -82,10 +82,17 @@ def _on_node1(argv, env, timeout):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster():
-    """node1 and node2 (2 slots each) for this module's tests; its hostfile."""
+    """node1 and node2 (2 slots each) for one test; its hostfile. The namespaces' names are
+    fixed and test_launch.py makes them too: netns_lock keeps the two apart when the serial
+    tests run in several processes (scripts/test.sh)."""
     require(WHY_NOT)
+    with netns_lock():
+        yield from _cluster_up_down()
+
+
+def _cluster_up_down():
     try:
         up = _cluster("up")
         assert up.returncode == 0, up.stderr
