@@ -251,8 +251,9 @@ class Dispatcher:
             publish_spec(self.mem, self.row, k, sp)
 
     def _raised_here(self, seq):
-        """Call ``seq`` raised on this rank outside the agreement check's paths (a transport's
-        own error): a member's later report about it is not news here."""
+        """Call ``seq`` raised on this rank (also outside the agreement check's paths: a
+        transport's own error): a member's later report about it is not news here, and the
+        comparison across hosts passes over it (REPORTED)."""
         if seq > self.raised:
             self.raised = seq
             self.mem[self.row - ENTERED + REPORTED] = seq
@@ -262,9 +263,7 @@ class Dispatcher:
         (MPI) when any rank entered it."""
         from ._reliability.agreement import poison_word
 
-        self.raised = max(self.raised, seq)
-        # published: the comparison across hosts passes over the calls raised for
-        self.mem[self.row - ENTERED + REPORTED] = self.raised
+        self._raised_here(seq)   # (published: the comparison across hosts passes over it)
         if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
             self.resync = True
             if not self.mem[self.row + 5]:   # (a member's report there brings the next call here too)

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (CALLS_N, ENTERED, DONE, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ, XR,
+from .progress import (CALLS_N, ENTERED, DONE, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ,
                        F, HDR, calls_base)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
@@ -73,7 +73,8 @@ class HostRings:
         self.host = world_rank   # this host's name in the check: the lowest world rank on it
         if not enabled or local_comm is None or local_comm.Get_size() < 2:
             return
-        self.host = min(local_comm.allgather(world_rank))
+        ranks = local_comm.allgather(world_rank)   # (in the rank order of its Dup below)
+        self.host = min(ranks)
         try:
             from mpi4py import MPI
 
@@ -81,7 +82,6 @@ class HostRings:
 
             self.comm = local_comm.Dup()
             self.win = quiet(lambda: MPI.Win.Allocate_shared(ROWS * HOST_N * 8, 8, comm=self.comm))
-            ranks = self.comm.allgather(world_rank)
             for i, r in enumerate(ranks):
                 buf, _ = self.win.Shared_query(i)
                 self.views[r] = memoryview(buf).cast("B").cast("q")
@@ -164,7 +164,7 @@ def cross_host_start(progress, disp):
     completed at the watchdog's later wakes: cross_host)."""
     j, wr, slot = disp.xhost
     r1 = progress.start_read(wr, slot, F)
-    r2 = progress.start_read(wr, XR + (slot - HDR) // F * CALLS_N, CALLS_N)
+    r2 = progress.start_read(wr, calls_base(slot + ENTERED), CALLS_N)
     return None if r1 is None or r2 is None else (r1, r2)
 
 
@@ -197,7 +197,7 @@ def read_row(progress, wrank, slot):
     row = progress.read_words(wrank, slot, F)
     if row is None:
         return None
-    ring = progress.read_words(wrank, XR + (slot - HDR) // F * CALLS_N, CALLS_N)
+    ring = progress.read_words(wrank, calls_base(slot + ENTERED), CALLS_N)
     return None if ring is None else np.concatenate([row, ring])
 
 
