@@ -374,16 +374,22 @@ class Dispatcher:
         from ._reliability.agreement import poison_fields
 
         m, b = self.mem, self.row
-        seq = self.seq + 1
-        if m[b + 5]:
-            k, who = poison_fields(m[b + 5])
-            if who == self.group.ranks[self.group.rank] or k <= self.raised:
-                self.poisoned(seq, code)   # a resync due first
+        # the call counts first, whatever comes next: a member's report may land at any moment,
+        # and every rank's count of calls must stay alike
         seq = self.seq = self.seq + 1
+        if self.resync:   # the fresh communicator due from an earlier call comes first
+            self.resync = False
+            self.rel.resync(self.group)
         m[b] = seq << 4 | code
         m[b + 3] = m[b]
-        if m[b + 5] and m[b + 5] >> 24 == seq:
-            m[b + 5] = 0   # a member's report about this very call: this rank refuses it too
+        word = m[b + 5]
+        if word:
+            k, who = poison_fields(word)
+            # this rank's own resync marker, a report about a call that raised here, or one
+            # about this very call (this rank refuses it too): no news. A report about an
+            # earlier call that returned here stays for the next call.
+            if (who == self.group.ranks[self.group.rank] or k <= self.raised or k == seq) and m[b + 5] == word:
+                m[b + 5] = 0
         self.refuse(seq, code, e, None)
 
     def _stand_in(self, code, spec):

@@ -225,3 +225,18 @@ def test_randomized_disagreements(multi):
             return False
 
         _run_case(n, r, call, 1000 + 10 * c, returns_ok=ok)
+
+
+def test_refused_on_every_rank_many_times(multi):
+    """The same bad argument on every rank, refused 1,500 times in a row (each rank raises
+    its own error, some while a member's report of the same call is landing): the ranks'
+    counts of calls stay alike, so the checked calls between them return correct sums."""
+    n, r = multi
+    x = np.ones((1, 2), np.float32)
+    calls = (lambda: mpicomm.all_gather(x, sizes=3), lambda: mpicomm.gather(x, sizes="even"),
+             lambda: mpicomm.all_to_all(x, in_splits=[1] * n, out_splits=[-1] * n))
+    for i in range(1500):
+        with pytest.raises(InvalidArgumentError, match="sizes|splits"):
+            calls[i % 3]()
+        if i % 50 == 49:
+            _verify(n, r, 5000 + i)
