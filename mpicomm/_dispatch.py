@@ -214,6 +214,9 @@ class Dispatcher:
         e = m[b]
         w = m[self.cb + (seq & 255)]
         if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
+            ps = plain_spec(e & 15)
+            if ps.sig == w & 0xFFFFFFFF:       # a barrier, creating or destroying a group
+                return ps
             p = self.last[e & 15]
             if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
@@ -397,15 +400,20 @@ class Dispatcher:
         is dropped): the members waiting inside it complete."""
         from ._reliability.agreement import dtype_of
 
-        if spec.sized or spec.code != code and spec.code == 0:
+        if spec.sized or spec.code == 0:
             return
+        t = self.plain()
+        if spec.code == BARRIER:
+            t.barrier(False)
+            return
+        if not spec.dtype:   # a call without arrays (creating or destroying a group): not
+            return           # one a rank can make in another's place
         g = self.group
         n, me = g.size, g.rank
         dt = dtype_of(spec.dtype)
         c = spec.count
         code = spec.code
         root = spec.root
-        t = self.plain()
         gpu = hasattr(t, "nccl") and spec.gpu   # host arrays on NCCL go through MPI: stand in alike
         if gpu:
             import cupy as xp
@@ -418,9 +426,6 @@ class Dispatcher:
             arg = Sized((root, None, None))
         elif code == REDUCE:
             arg = (spec.op, root)
-        elif code == BARRIER:
-            t.barrier(False)
-            return
         count = c * n if (code == SCATTER and me == root) else c
         x = xp.zeros(count, dt)
         out = None
@@ -556,8 +561,7 @@ class Dispatcher:
         for pm, pb, j in self.peers:
             pw = pm[pb + (seq & 7)]
             if pw != w and pw >> 32 == seq:
-                m[b + 1] = v
-                self.disagree(seq, code, j, None)
+                self.differs(seq, code, j, pw)
         m[b + 1] = v
         return r
 

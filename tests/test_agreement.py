@@ -155,6 +155,24 @@ def test_wrong_out_shape_on_one_rank(multi):
     assert "out" in str(err), err
 
 
+def test_refusal_against_a_barrier(multi):
+    """One rank refuses a collective while the others wait in a barrier: it stands in for
+    the barrier, every rank raises (the barrier's ranks in it or at their next call)."""
+    n, r = multi
+    bad = _other(n, 17)
+    x = np.random.default_rng(r).standard_normal(3)
+
+    def case():
+        if r == bad:   # the others are in the barrier first
+            time.sleep(0.3)
+            return mpicomm.all_reduce(x, op="bogus")
+        return mpicomm.barrier()
+
+    err = _run_case(n, r, case, 750,
+                    returns_ok=lambda res: r != bad and res is None)
+    assert "bogus" in str(err), err
+
+
 def test_refusal_in_a_group(multi):
     """The same in a group of every other rank: only its members take part."""
     n, r = multi
