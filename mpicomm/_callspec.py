@@ -53,6 +53,18 @@ for _n in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64
     dtype_id(_n)
 
 
+_IDS_OF = {}                # dtype object -> its id (the hot paths' cache)
+
+
+def head_words(code, dtype, count, op=None, root=None):
+    """The first five words of a CallSpec (collective, dtype, element count, op + 1, root + 1)
+    without building one: the shared-memory path's handshake compares these."""
+    i = _IDS_OF.get(dtype)
+    if i is None:
+        i = _IDS_OF[dtype] = dtype_id(dtype_name(dtype))
+    return (code, i, count, _OPS.index(op) + 1 if op is not None else 0, root + 1 if root is not None else 0)
+
+
 class CallSpec:
     """The agreed facts of one call (see the module docstring)."""
 

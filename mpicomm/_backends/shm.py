@@ -28,8 +28,8 @@ passed piece k+1's barrier, that is, finished reading piece k. The piece counter
 on across calls and collectives alike, so the same holds from one collective to the
 next.
 
-Every call carries its signature (collective, element count, dtype, op or root) into
-a table in rank 0's segment before its first barrier (the tuner's Open MPI choice, which
+Every call carries its signature (the first five words of its CallSpec,
+mpicomm._callspec: collective, dtype, element count, op, root) into a table in rank 0's segment before its first barrier (the tuner's Open MPI choice, which
 has no barrier of its own, gets one), and every rank compares the table after that
 barrier: calls that differ raise CollectiveMismatchError on every rank, with each rank's
 call, instead of returning a different answer on each. The table has two halves, by the
@@ -64,8 +64,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveMismatchError, invalid
-from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
-from .._dtypes import FLOAT_NAMES
+from .._callspec import PeerSpec, head_words
+from .._ops import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
 
 NEVER = sys.maxsize
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -100,45 +100,16 @@ _F32 = np.dtype(np.float32)
 _MPI_OPS = mpi_ops()
 _OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
 _OPS = tuple(ReduceOp)
-_DTYPE_IDS = {}           # dtype -> the int that stands for it in a signature
-_DTYPE_NAMES = {}
 
 
-def _dtype_id(dt):
-    """A number for dtype ``dt``, the same on every rank (from its name, not from NumPy's
-    type numbers, which registered types such as bfloat16 get in import order)."""
-    i = _DTYPE_IDS.get(dt)
-    if i is None:
-        i = _DTYPE_IDS[dt] = _name_id(dt.name)
-    return i
-
-
-def _name_id(name):
-    import zlib
-
-    i = zlib.crc32(name.encode()) + 1
-    _DTYPE_NAMES[i] = name
-    return i
-
-
-for _name in FLOAT_NAMES + ("int8", "uint8", "int32", "uint32", "int64", "uint64"):
-    _name_id(_name)   # the names of other ranks' dtypes, for the error
-
-
-def signature(name, x, op_or_root):
-    """(collective, element count, dtype, op or root) of a call, as ints."""
-    a = _OPS.index(op_or_root) if isinstance(op_or_root, ReduceOp) else \
-        (-1 if op_or_root is None else 100 + op_or_root)
-    return (COLLECTIVES.index(name) + 1, x.size, _dtype_id(x.dtype), a)
+def signature(code, x, op=None, root=None):
+    """The call's handshake words: the first five of its CallSpec (mpicomm._callspec:
+    collective, dtype, element count, op, root)."""
+    return head_words(code, x.dtype, x.size, op, root)
 
 
 def describe(sig):
-    code, count, dt, a = sig[:4]
-    name = COLLECTIVES[code - 1] if 0 < code <= len(COLLECTIVES) else f"collective #{code}"
-    what = f"{name} of {count} x {_DTYPE_NAMES.get(dt, f'dtype #{dt}')}"
-    if 0 <= a < len(_OPS):
-        return f"{what}, op {_OPS[a].value}"
-    return f"{what}, root {a - 100}" if a >= 100 else what
+    return PeerSpec(tuple(sig[:5]) + (0, 0)).describe()
 
 
 def mismatch_error(rows, where):
@@ -325,7 +296,8 @@ class ShmGroup:
         tab[b + 1] = sig[1]
         tab[b + 2] = sig[2]
         tab[b + 3] = sig[3]
-        tab[b + 4] = self.k
+        tab[b + 4] = sig[4]
+        tab[b + 5] = self.k
         first = True
         if self.crowded:
             ibar, yld = self.comm.Ibarrier, os.sched_yield
@@ -355,10 +327,11 @@ class ShmGroup:
         t = tab.tolist()
         n = self.size
         if t[0::_SIGW].count(sig[0]) != n or t[1::_SIGW].count(sig[1]) != n \
-                or t[2::_SIGW].count(sig[2]) != n or t[3::_SIGW].count(sig[3]) != n:
-            rows = [t[j * _SIGW:j * _SIGW + 5] for j in range(n)]
+                or t[2::_SIGW].count(sig[2]) != n or t[3::_SIGW].count(sig[3]) != n \
+                or t[4::_SIGW].count(sig[4]) != n:
+            rows = [t[j * _SIGW:j * _SIGW + 6] for j in range(n)]
             gen.close()
-            self.k = max(row[4] for row in rows) + 1
+            self.k = max(row[5] for row in rows) + 1
             raise mismatch_error(rows, "on the shared-memory path")
 
     # ----------------------------------------------------------- collectives
@@ -659,7 +632,7 @@ class ShmPath:
         g = self.open()
         if g is None or x.nbytes < self.min_all_reduce:   # (raised when the group opened)
             return None
-        sig = signature("all_reduce", x, op)
+        sig = signature(ALL_REDUCE, x, op)
         self._whole(g, sig)
         return self._go(g, "all_reduce", g.all_reduce(x, o, row, op), o, sig)
 
@@ -667,7 +640,7 @@ class ShmPath:
         g = self.open()
         if g is None:
             return None
-        sig = signature("reduce_scatter", x, op)
+        sig = signature(REDUCE_SCATTER, x, op)
         self._whole(g, sig)
         return self._go(g, "reduce_scatter", g.reduce_scatter(x, o, row, op), o, sig)
 
@@ -675,7 +648,7 @@ class ShmPath:
         g = self.open()
         if g is None:
             return None
-        sig = signature("all_gather", x, None)
+        sig = signature(ALL_GATHER, x)
         self._whole(g, sig)
         return self._go(g, "all_gather", g.all_gather(x, o), o, sig)
 
@@ -683,6 +656,6 @@ class ShmPath:
         g = self.open()
         if g is None:
             return None
-        sig = signature("broadcast", h, root)
+        sig = signature(BROADCAST, h, root=root)
         self._whole(g, sig)
         return self._go(g, "broadcast", g.broadcast(h, root), h, sig)

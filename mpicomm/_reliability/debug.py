@@ -1,10 +1,11 @@
 """Debug mode (``init(debug=True)``): compare every collective's arguments across the group.
 
-Before each collective the ranks of the group allgather a fixed 16-integer descriptor
-(collective, op, dtype, shape, root, group, sequence number) over a side communicator;
-any difference raises :class:`CollectiveMismatchError` on every rank, with a per-rank
-table. The check runs inside the published call, so a rank missing from the
-comparison shows as pending to the watchdog.
+Before each collective the ranks of the group allgather a fixed 16-integer descriptor over
+a side communicator: the call's CallSpec words (mpicomm._callspec: collective, dtype, element
+count, op, root, trailing shape, sizes; the agreement check's vocabulary), with the full shape,
+the group and the sequence number on top. Any difference raises
+:class:`CollectiveMismatchError` on every rank, with a per-rank table. The check runs inside
+the published call, so a rank missing from the comparison shows as pending to the watchdog.
 """
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import zlib
 
 import numpy as np
 
-from .._ops import ALL_REDUCE, BARRIER, BROADCAST, NAMES, REDUCE, REDUCE_SCATTER, ReduceOp
+from .._callspec import GPU, SPEC_WORDS, PeerSpec, plain_spec, spec_of
+from .._ops import BARRIER, NAMES
 from ..errors import CollectiveMismatchError, CommunicationError
 from .progress import ghash
-from .._dtypes import SUPPORTED
 
-_DTYPES = SUPPORTED.split(", ") + ["bool", "int16", "uint16"]
-_DTCODE = {n: i + 1 for i, n in enumerate(_DTYPES)}
-_OPS = {op: i + 1 for i, op in enumerate(ReduceOp)}
-_OPNAMES = {v: k.value for k, v in _OPS.items()}
+N = 16            # words in a descriptor
+_GHASH, _SEQ, _NDIM, _DIMS = SPEC_WORDS, SPEC_WORDS + 1, SPEC_WORDS + 2, SPEC_WORDS + 3
+_DIMS_MAX = N - _DIMS   # dimensions carried in full; a longer shape: the first ones and a hash
 
 
 class Checked:
@@ -41,8 +41,7 @@ class Checked:
         if self.fired():
             raise CommunicationError(f"{NAMES[code]} on group {g.name!r}: the job is being aborted "
                                      "after a collective timed out (see the CollectiveTimeoutError above)")
-        op, root = _op_root(code, arg)
-        check(self.side, g, code, x, op, root, g.disp.seq)  # this call's, set by the dispatcher
+        check(self.side, g, code, x, out, arg, g.disp.seq)  # this call's, set by the dispatcher
         p = self.inner.prepare(code, x, out, arg, async_op, stream)
         p.cls = None
         return p
@@ -56,82 +55,75 @@ class Checked:
         self.side.Free()
 
 
-def _op_root(code, arg):
-    if code in (ALL_REDUCE, REDUCE_SCATTER):
-        return arg, None
-    if code == BROADCAST:
-        return None, arg
-    if code == REDUCE:
-        return arg
-    return None, None
-
-
-def check(side, g, code, x, op, root, seq):
+def check(side, g, code, x, out, arg, seq):
     """Allgather this call's descriptor over the group; raise on every rank if any differ."""
     from mpi4py import MPI
 
-    d = descriptor(code, x, op, root, g, seq)
-    allv = np.empty((g.size, 16), np.int64)
+    d = descriptor(code, x, out, arg, g, seq)
+    allv = np.empty((g.size, N), np.int64)
     side.Allgather([d, MPI.INT64_T], [allv, MPI.INT64_T])
     if (allv != allv[0]).any():
         raise CollectiveMismatchError(mismatch_table(g, allv))
 
 
-def _shape_dtype(x):
-    if x is None:
-        return None, None
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        try:
-            a = np.asarray(memoryview(x))
-            shape, dtype = a.shape, a.dtype
-        except Exception:
-            return None, type(x).__name__
-    return tuple(int(s) for s in shape), str(dtype).replace("torch.", "")
+def _as_array(x):
+    """``x``, or a NumPy view of a buffer without shape and dtype (bytes, array.array)."""
+    if x is None or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return x
+    try:
+        return np.asarray(memoryview(x))
+    except Exception:
+        return None
 
 
-def descriptor(code, x, op, root, g, seq):
-    shape, dtype = _shape_dtype(x)
-    d = np.full(16, -1, np.int64)
-    d[0] = code
-    d[1] = _OPS.get(op, 0) if op is not None else 0
-    d[2] = (_DTCODE.get(dtype) or (zlib.crc32(dtype.encode()) | (1 << 40))) if dtype else 0
-    if shape is not None:
-        d[3] = len(shape)
-        if len(shape) <= 8:
-            d[4:4 + len(shape)] = shape
-        else:
-            d[4:11] = shape[:7]
-            d[11] = zlib.crc32(repr(shape[7:]).encode())
-    d[12] = root if root is not None and isinstance(root, (int, np.integer)) else -1
-    d[13] = ghash(g.name)
-    d[14] = seq
-    d[15] = 0
+def descriptor(code, x, out, arg, g, seq):
+    """The 16 words every rank compares: CallSpec words, group, sequence number, shape."""
+    a = _as_array(x)
+    spec = plain_spec(code) if a is None else spec_of(code, a, out, arg, g.size, g.rank)
+    d = np.zeros(N, np.int64)
+    d[:SPEC_WORDS] = spec.words()
+    d[_GHASH] = ghash(g.name)
+    d[_SEQ] = seq
+    if a is None:
+        d[_NDIM] = -1
+        return d
+    shape = tuple(int(s) for s in a.shape)
+    d[_NDIM] = len(shape)
+    if len(shape) <= _DIMS_MAX:
+        d[_DIMS:_DIMS + len(shape)] = shape
+    else:
+        d[_DIMS:N - 1] = shape[:_DIMS_MAX - 1]
+        d[N - 1] = zlib.crc32(repr(shape[_DIMS_MAX - 1:]).encode())
     return d
 
 
 def _fmt(d):
-    name = NAMES.get(int(d[0]), f"collective#{int(d[0])}")
-    parts = [f"{name} sequence {int(d[14])}"]
+    sp = PeerSpec(d[:SPEC_WORDS])
+    parts = [f"{sp.name} sequence {int(d[_SEQ])}"]
+    if sp.op is not None:
+        parts.append(f"op={sp.op.value}")
     if d[1]:
-        parts.append(f"op={_OPNAMES.get(int(d[1]), int(d[1]))}")
-    if d[2]:
-        c = int(d[2])
-        parts.append(f"dtype={_DTYPES[c - 1] if 0 < c <= len(_DTYPES) else f'#{c}'}")
-    if d[3] >= 0:
-        nd = int(d[3])
-        shape = tuple(int(s) for s in d[4:4 + min(nd, 8)]) if nd <= 8 else "(...)"
+        parts.append(f"dtype={sp.dtype or f'#{int(d[1])}'}")
+    nd = int(d[_NDIM])
+    if nd >= 0:
+        shape = tuple(int(s) for s in d[_DIMS:_DIMS + nd]) if nd <= _DIMS_MAX else "(...)"
         parts.append(f"shape={shape}")
-    if d[12] >= 0:
-        parts.append(f"root={int(d[12])}")
+    if sp.root is not None:
+        parts.append(f"root={sp.root}")
+    if sp.gpu:
+        parts.append("GPU arrays")
     return " ".join(parts)
 
 
+# the fields a table names, by the words that carry them
+_FIELDS = {"collective": lambda v: v[:, 0] & 0xFF, "GPU or host arrays": lambda v: v[:, 0] & GPU,
+           "op": lambda v: v[:, 3], "dtype": lambda v: v[:, 1],
+           "shape": lambda v: v[:, [2, 5] + list(range(_NDIM, N))], "root": lambda v: v[:, 4],
+           "sizes": lambda v: v[:, 6], "sequence number": lambda v: v[:, _SEQ]}
+
+
 def mismatch_table(g, allv):
-    fields = {"collective": [0], "op": [1], "dtype": [2], "shape": list(range(3, 12)), "root": [12],
-              "sequence number": [14]}
-    diff = [k for k, idx in fields.items() if (allv[:, idx] != allv[0, idx]).any()]
+    diff = [k for k, f in _FIELDS.items() if (f(allv) != f(allv)[0]).any()]
     rows = "\n".join(f"  rank {r} (world rank {g.ranks[r]}): {_fmt(allv[r])}" for r in range(len(allv)))
     return (f"ranks of group {g.name!r} called different collectives or the same one with different "
             f"arguments (differs in: {', '.join(diff)}):\n{rows}\n"
