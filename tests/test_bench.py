@@ -448,7 +448,8 @@ def test_every_collective_runs_and_checks(coll, tmp_path):
     assert "[mpicomm-bench]" not in err  # -q: no progress
     if coll in timing.VCOLLS:   # out of place against the raw call (mpi4py's Allgatherv, ...), checked
         for f in _table(out):
-            assert f[8] == "0" and f[12] == "N/A" and f[13] != "N/A" and float(f[14]) > 0
+            # (the raw time: its ratio columns round to 0.00 on a crowded machine at 0 B)
+            assert f[8] == "0" and f[12] == "N/A" and float(f[13]) > 0
 
 
 @needs_mpirun

@@ -484,7 +484,7 @@ def test_async_recv_wait_timeout_names_the_peer():
     """Work.wait(timeout=3) of an async recv whose peer never sends raises with the same
     diagnosis as a blocking one; uncaught, it ends the job."""
     p, took = fault(2, "async_recv_timeout")
-    assert p.returncode == 1 and took < 3 + 10, (p.returncode, took)
+    assert p.returncode == 1 and took < 3 + 30, (p.returncode, took)   # (rank 1 sleeps 120 s; start-up on a crowded machine)
     msg = report_of(p, 0)
     assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' did not "
                           "complete within 3 s"), msg
