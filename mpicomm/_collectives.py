@@ -166,8 +166,8 @@ def sendrecv(x: ArrayLike, dst: int, out: ArrayLike | None = None, src: int | No
 
     The two cannot deadlock whatever the order the ranks call in (MPI_Sendrecv; one NCCL
     group of a send and a recv); ``dst`` and ``src`` may be this rank. Receives into
-    ``out`` (None: a new array of x's shape and dtype) and returns it. ``tag``: MPI only
-    (GPU arrays on NCCL take tag=0).
+    ``out`` (None: a new array of x's shape and dtype) and returns it. ``tag``: as for
+    send/recv (GPU arrays with a tag other than 0 travel through host memory over MPI).
     """
     g = CTX.world if group is None else None
     if g is None:

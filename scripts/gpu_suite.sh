@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -63,6 +63,11 @@ SECTIONS=("${@:-all}")
 if want core || want tests; then
     step "gpu-tests-np$NGPU" 500 "${MPI[@]}" "$NGPU" "${PYT[@]}" -x tests/test_gpu.py tests/test_collectives.py tests/test_api.py
     step "gpu-staged-on-mpi-np$NGPU" 200 env MPICOMM_BACKEND=mpi "${MPI[@]}" "$NGPU" -x MPICOMM_BACKEND "${PYT[@]}" tests/test_gpu.py -k staged
+fi
+if want core || want tests || want tags; then  # tags on GPU arrays (issue 27), and their host side on the CPU
+    step "gpu-tags-np$NGPU" 200 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu_tags.py tests/test_p2p_tags.py \
+        tests/test_gpu_uneven.py tests/test_gpu.py -k "tag or p2p or send"
+    grep -a -E "^[0-9]+ (passed|failed)|failed" "$LOG" | tail -1 >>"$SUM"
 fi
 if want quick; then  # every GPU test file, then the DDP comparison at 4 and 2 GPUs (a short device budget)
     step "gpu-all-tests-np$NGPU" 130 "${MPI[@]}" "$NGPU" "${PYT[@]}" tests/test_gpu*.py

@@ -242,8 +242,8 @@ def main():
                 mpicomm.send(y, 1, tag=0)
             elif MODE == "send_norecv":   # 16 MiB: past the eager limit, the send waits for a recv
                 mpicomm.send(arr(rng.standard_normal(4 << 20).astype(np.float32)), 1, tag=5)
-            else:
-                mpicomm.recv(x, 1, tag=0 if GPU else 5)
+            else:   # (GPU_TAG: a tagged GPU recv, which waits in MPI on the host)
+                mpicomm.recv(x, 1, tag=int(os.environ.get("GPU_TAG", "0")) if GPU else 5)
             if GPU:   # NCCL enqueues the call: the wait is here
                 import cupy
 

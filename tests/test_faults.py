@@ -470,6 +470,23 @@ def test_unmatched_gpu_send_recv_is_named(mode, call, other, tmp_path):
     stack_shown(p, tmp_path, 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tag", [5], ids=["nccl-gpu-tagged-recv"])
+def test_unmatched_tagged_gpu_recv_is_named(tag, tmp_path):
+    """NCCL, a tagged GPU recv (it waits in MPI on the host): the report names rank 1 and
+    the tag, and rank 1 shows its stack (tags on GPU arrays, docs/COLLECTIVES.md)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, "recv_nosend", True, limit=TIMEOUT + 90, token=token, env={"GPU_TAG": str(tag)})
+    nothing_left(token)
+    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
+    msg = report_of(p, 0)
+    assert msg.startswith(f"rank 0: recv from rank 1 (tag {tag}, shape (4,), dtype float32) on group 'world' "
+                          "did not complete within 5 s"), msg
+    assert "Rank 1 has not reached the matching send" in msg, msg
+    stack_shown(p, tmp_path, 1)
+
+
 @pytest.mark.parametrize("n", NRANKS)
 def test_unmatched_send_names_the_peer(n, tmp_path):
     """A 16 MiB send (past the eager limit) that rank 1 never receives."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
@@ -19,6 +21,7 @@ from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
 from .mpi import MPITransport
+from .tagged import TaggedP2P
 
 
 def _import():
@@ -129,6 +132,7 @@ class NCCLTransport:
         cupy, nccl = _import()
         self.cupy, self.nccl = cupy, nccl
         self.host = MPITransport(mpi_comm)
+        self.tagged = TaggedP2P(self.host)   # tag != 0 on GPU arrays: staged, over MPI
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.device_id = device_id
@@ -150,6 +154,7 @@ class NCCLTransport:
         if self.comm is not None and self.comm is not _ABORTED:
             self.comm.destroy()
         self.comm = None
+        self.tagged.close()
         self.host.close()
 
     def abort(self):
@@ -708,8 +713,7 @@ class NCCLTransport:
         dst = self.host._root(dst, "dst")
         src = self.host._root(src, "src")
         if tag != 0:
-            raise invalid("tag", tag, "0 for GPU arrays on the NCCL backend (NCCL has no tags: it matches "
-                          "sends and receives between two ranks in the order they are issued)")
+            return self._tagged_sendrecv(x, dst, tag, async_op, stream, out, src)
         kind, row, a = self._family(x)
         bind = self._binder(kind)
         xa, xp = bind(x)
@@ -773,8 +777,7 @@ class NCCLTransport:
         if code == SENDRECV:
             return self.sendrecv(x, peer, tag, async_op, stream, *recv)
         if tag != 0:
-            raise invalid("tag", tag, "0 for GPU arrays on the NCCL backend (NCCL has no tags: it matches "
-                          "sends and receives between two ranks in the order they are issued)")
+            return self._tagged_p2p(code, x, peer, tag, async_op, stream)
         if peer == self.rank and self._batch is None:
             arg = "src" if code == RECV else "dst"
             raise invalid(arg, peer, f"another rank of the group (0..{self.size - 1}, not this rank {self.rank}): "
@@ -797,6 +800,65 @@ class NCCLTransport:
         what = ("recv" if code == RECV else "send", tuple(xa.shape), xa.dtype)
         res = x if code == RECV else None
         return self._work(p, res, (xa,), what) if async_op else res
+
+    # ----------------------------------------------------------- tagged point to point
+    # tag != 0 on GPU arrays: staged through host memory and matched by MPI (mpicomm._backends.tagged
+    # says why not over NCCL); the copies are on the call's stream.
+    def _staged(self, x, arg, stream):
+        """(device array, its pointer, dtype row, cudaStream_t) of GPU array ``x``, contiguous."""
+        kind, row, _ = self._family(x, arg)
+        xa, xp = self._binder(kind)(x, arg)
+        p, _ = self._streamer(stream, kind)()
+        return xa, xp, row, p
+
+    def _to_host(self, x, stream):
+        """A host copy of GPU array ``x``, taken after the work already on the call's stream."""
+        xa, xp, row, p = self._staged(x, "x", stream)
+        h = np.empty(tuple(xa.shape), row.dtype)
+        rt = self.cupy.cuda.runtime
+        if h.nbytes:
+            rt.memcpyAsync(h.ctypes.data, xp, h.nbytes, rt.memcpyDeviceToHost, p)
+        rt.streamSynchronize(p)
+        return h
+
+    def _lander(self, xp, p):
+        """land(o): copy host array ``o`` into device memory at ``xp`` on stream ``p`` (work
+        enqueued on ``p`` afterwards sees it; ``o`` may go once it returns)."""
+        rt = self.cupy.cuda.runtime
+
+        def land(o):
+            if o.nbytes:
+                rt.memcpyAsync(xp, o.ctypes.data, o.nbytes, rt.memcpyHostToDevice, p)
+                rt.streamSynchronize(p)   # (o is pageable; the call returns with the data in place)
+        return land
+
+    def _tagged_p2p(self, code, x, peer, tag, async_op, stream):
+        arg = "src" if code == RECV else "dst"
+        peer = self.host._root(peer, arg)
+        if peer == self.rank and not async_op:
+            raise invalid(arg, peer, f"another rank of the group (0..{self.size - 1}, not this rank "
+                          f"{self.rank}: a blocking {'recv from' if code == RECV else 'send to'} oneself "
+                          "would never complete; use async_op=True)")
+        if code != RECV:
+            return self.tagged.send(self._to_host(x, stream), peer, tag, async_op)
+        xa, xp, row, p = self._staged(x, "out", stream)
+        if xa is not x:
+            raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+        o = np.empty(tuple(xa.shape), row.dtype)
+        return self.tagged.recv(o, peer, tag, async_op, self._lander(xp, p), x)
+
+    def _tagged_sendrecv(self, x, dst, tag, async_op, stream, out, src):
+        h = self._to_host(x, stream)
+        if out is not None and not is_gpu_array(out):   # a host out=: received by MPI as it is
+            return self.tagged.sendrecv(h, dst, tag, async_op, out, src, None, out)
+        if out is None:
+            kind, _, a = self._family(x)
+            out = self._empty(kind, a, tuple(a.shape))()
+        oa, op_, row, p = self._staged(out, "out", stream)
+        if oa is not out:
+            raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+        o = np.empty(tuple(oa.shape), row.dtype)
+        return self.tagged.sendrecv(h, dst, tag, async_op, o, src, self._lander(op_, p), out)
 
     def barrier(self, async_op):
         return self.host.barrier(async_op)
