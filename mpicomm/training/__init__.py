@@ -2,8 +2,9 @@
 
 - :mod:`~mpicomm.training.reducer`: :class:`DistributedGradReducer`, gradients reduced in
   persistent fused buckets, over the bucket plan of :mod:`~mpicomm.training.planner`
-  (``plan_buckets``), the array families of :mod:`~mpicomm.training.families` and the CUDA
-  copy kernel of :mod:`~mpicomm.training.copy_kernel`.
+  (``plan_buckets``), the buckets of :mod:`~mpicomm.training.layout`, the array families of
+  :mod:`~mpicomm.training.families` and the CUDA copy kernel of
+  :mod:`~mpicomm.training.copy_kernel`.
 - :mod:`~mpicomm.training.fused`: one-off fused calls (:func:`all_reduce_coalesced`,
   :func:`broadcast_parameters`).
 - :mod:`~mpicomm.training.context`: the auto-parallel context, MindSpore's process-wide

@@ -8,66 +8,60 @@ same order.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from .. import _collectives as collectives
 from .._dtypes import FLOAT_NAMES
-from .._ops import ReduceOp
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
 from . import context as _context
 from .context import check_fusion_config, get_auto_parallel_context
 from .copy_kernel import _multi_copy, _torch_multi_copy
-from .families import CUPY, TORCH, _as_list, _contiguous, _family, _is_gpu, _key_plan
+from .families import CUPY, TORCH, _as_list, _contiguous, _family, _key_plan
 from .fused import broadcast_parameters
+from .layout import _make_bucket
 from .planner import check_bucket_cap_mb, plan_buckets
+from .results import _out_slot
 from .streams import _Null, _on_cupy_device
 
 COMPRESSIONS = (None, "fp16", "bf16")
 _FLOAT_NAMES = FLOAT_NAMES   # the dtypes gradients may have
 
 
-class _Bucket:
-    __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
-                 "stream_mode", "remaining", "work", "numel", "layout", "outs", "sizes", "op", "direct",
-                 "nsmall", "small_numel", "small", "srcs")
+def _agree(g, sig, err, params):
+    """Compare the arguments' signature ``sig`` over group ``g``: every rank raises alike
+    (its own ``err``, or the first rank's that has one), and ranks with different models
+    are caught here, not in a hang."""
+    allv = g.mpi_comm.allgather((repr(sig), None if err is None else str(err)))
+    if err is not None:
+        raise err
+    bad = [(r, e) for r, (_, e) in enumerate(allv) if e]
+    if bad:
+        raise InvalidArgumentError(f"DistributedGradReducer arguments rejected on rank {bad[0][0]}: "
+                                   f"{bad[0][1]}")
+    diff = [r for r, (s, _) in enumerate(allv) if s != allv[0][0]]
+    if diff:
+        raise invalid("parameters", f"{len(params)} arrays", "the same parameters (shapes, dtypes) "
+                      f"and options on every rank of the group; rank(s) {diff} differ from rank 0")
 
 
-# NCCL buckets: gradients this large are reduced where they are, not copied into the bucket
-# (ResNet-50 on 4 x H100: grouped out-of-place all-reduces of the 10 gradients of 4 MiB or
-# more, and the other 151 packed, ran at 0.90 of one buffer; packing all of them at 0.86;
-# from 1 MiB up (29 all-reduces), 0.88: each all-reduce in a group costs about 2 us)
-_DIRECT_MIN_BYTES = 4 << 20
-_OUT_SLOTS = 2  # result buffers kept per bucket for reducer(grads), reused once the caller drops them
-_torch_use_count = None  # torch._C._storage_Use_Count, looked up at the first PyTorch bucket
-
-
-def _refcounts(slot):
-    """The reference counts that tell whether anything outside the slot holds its buffer,
-    its views, or their memory: derived views and DLPack or CUDA-array-interface consumers
-    all hold one of these (CuPy: the allocation's Python object; PyTorch: the storage's
-    C++ use count, which every tensor sharing it holds, Python object or not)."""
-    flat, views = slot[0], slot[1]
-    if isinstance(flat, np.ndarray):
-        held = 0
-    elif _torch_use_count is not None and type(flat).__module__.startswith("torch"):
-        held = _torch_use_count(flat.untyped_storage()._cdata)
-    else:
-        held = sys.getrefcount(flat.data.mem)  # CuPy: the allocation itself
-    return (sys.getrefcount(flat), held, tuple(map(sys.getrefcount, views)))
-
-
-def _torch_storage_use_count():
-    """PyTorch's count of the references to a storage (its C++ intrusive pointer), or None
-    where this PyTorch has no such function (then its results are never reused)."""
-    try:
-        import torch
-
-        return getattr(torch._C, "_storage_Use_Count", None)
-    except Exception:
-        return None
+def _fast_specs(specs):
+    """What _run's one-pass checks compare: (CuPy specs, PyTorch specs, PyTorch specs as
+    lists by field), each None unless every gradient is a CuPy array (a PyTorch tensor)."""
+    # CuPy gradients: what one pass over them compares (shape, dtype, device, C strides)
+    cupy_specs = None
+    if specs and all(sp[0] is CUPY for sp in specs):
+        cupy_specs = [(tuple(sh), dt, int(dev.split(":")[1]),
+                       tuple(int(np.prod(sh[k + 1:], dtype=np.int64)) * dt.itemsize for k in range(len(sh))))
+                      for _, sh, dt, dev, _ in specs]
+    # PyTorch gradients: shape, dtype and device index (-1: CPU), compared in one pass
+    torch_specs = torch_lists = None
+    if specs and all(sp[0] is TORCH for sp in specs):
+        tsize = TORCH._t().Size
+        torch_specs = [(tsize(sh), dt, int(dev.split(":")[1]) if ":" in dev else (-1 if dev == "cpu" else None))
+                       for _, sh, dt, dev, _ in specs]
+        torch_lists = tuple(list(c) for c in zip(*torch_specs))
+    return cupy_specs, torch_specs, torch_lists
 
 
 class DistributedGradReducer:
@@ -109,7 +103,7 @@ class DistributedGradReducer:
         g = get_group(group)
         self.group = group
         self.size = g.size
-        err, sig = None, None
+        err, sig, params = None, None, None
         try:
             if degree is not None and (isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer))
                                        or degree != g.size):
@@ -141,18 +135,7 @@ class DistributedGradReducer:
                    bool(fp32_sync), bool(bcast))
         except InvalidArgumentError as e:
             err = e
-        # every rank raises alike, and ranks with different models are caught here, not in a hang
-        allv = g.mpi_comm.allgather((repr(sig), None if err is None else str(err)))
-        if err is not None:
-            raise err
-        bad = [(r, e) for r, (_, e) in enumerate(allv) if e]
-        if bad:
-            raise InvalidArgumentError(f"DistributedGradReducer arguments rejected on rank {bad[0][0]}: "
-                                       f"{bad[0][1]}")
-        diff = [r for r, (s, _) in enumerate(allv) if s != allv[0][0]]
-        if diff:
-            raise invalid("parameters", f"{len(params)} arrays", "the same parameters (shapes, dtypes) "
-                          f"and options on every rank of the group; rank(s) {diff} differ from rank 0")
+        _agree(g, sig, err, params)
         if bcast:   # the context's parameter_broadcast: every rank starts from group rank 0's model
             broadcast_parameters(params, root=0, group=group)
         _context.reducer_made(self, g.size)
@@ -162,20 +145,7 @@ class DistributedGradReducer:
         self.compression = compression
         self.fp32_sync = bool(fp32_sync)
         self._specs = specs
-        # CuPy gradients: what one pass over them compares (shape, dtype, device, C strides)
-        self._cupy_specs = None
-        if specs and all(sp[0] is CUPY for sp in specs):
-            self._cupy_specs = [(tuple(sh), dt, int(dev.split(":")[1]),
-                                 tuple(int(np.prod(sh[k + 1:], dtype=np.int64)) * dt.itemsize
-                                       for k in range(len(sh))))
-                                for _, sh, dt, dev, _ in specs]
-        # PyTorch gradients: shape, dtype and device index (-1: CPU), compared in one pass
-        self._torch_specs = None
-        if specs and all(sp[0] is TORCH for sp in specs):
-            tsize = TORCH._t().Size
-            self._torch_specs = [(tsize(sh), dt, int(dev.split(":")[1]) if ":" in dev else
-                                  (-1 if dev == "cpu" else None)) for _, sh, dt, dev, _ in specs]
-            self._torch_lists = tuple(list(c) for c in zip(*self._torch_specs))
+        self._cupy_specs, self._torch_specs, self._torch_lists = _fast_specs(specs)
         self._plan = plan
         self._keys = keys
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
@@ -199,58 +169,11 @@ class DistributedGradReducer:
         self._pos = [0] * n          # gradient index -> its place in its bucket's members
         self._buckets = []
         for bi, idx in enumerate(plan):
-            fam, _, dt, dev, _ = specs[idx[0]]
-            b = _Bucket()
-            b.fam, b.device = fam, dev
-            name = fam.dtype_name(dt)
-            wire = dt
-            if self.compression and name == "float32":
-                wire = fam.half(self.compression)
-            elif self.fp32_sync and name in ("float16", "bfloat16"):
-                wire = fam.f32
-            half_wire = fam.dtype_name(wire) in ("float16", "bfloat16")
-            b.stream_mode = nccl and _is_gpu(fam, dev)
-            b.prescale = self.mean and half_wire
-            # NCCL averages float32/float64 itself (ncclAvg): no division kernel after the sum
-            b.op = (ReduceOp.AVG if self.mean and b.stream_mode and wire == dt and name in ("float32", "float64")
-                    else ReduceOp.SUM)
-            b.postscale = self.mean and not half_wire and b.op is not ReduceOp.AVG
-            # On NCCL, gradients of _DIRECT_MIN_BYTES or more can be reduced straight from
-            # where they are (an out-of-place all_reduce into their place in the result)
-            # instead of being copied into the bucket first: they go after the small ones,
-            # which are packed and reduced as one range.
-            idx = list(idx)
-            big = []
-            if b.stream_mode and wire == dt and not b.prescale:
-                big = [i for i in idx if specs[i][4] >= _DIRECT_MIN_BYTES]
-                if big:
-                    idx = [i for i in idx if specs[i][4] < _DIRECT_MIN_BYTES] + big
-            b.indices = idx
-            b.direct = bool(big)
-            b.nsmall = len(idx) - len(big)
-            sizes = [int(np.prod(specs[i][1], dtype=np.int64)) for i in idx]
-            b.numel = sum(sizes)
-            b.small_numel = sum(sizes[:b.nsmall])
-            b.flat = fam.zeros(b.numel, dt, dev)
-            off = 0
-            b.views = []
-            b.layout = []  # (gradient index, offset, size, shape)
-            # bytes per member, for the CuPy copy kernel (CuPy arrays; CUDA tensors on NCCL)
-            b.sizes = (tuple(sz * np.dtype(dt).itemsize for sz in sizes) if fam is CUPY else
-                       tuple(sz * dt.itemsize for sz in sizes) if fam is TORCH and b.stream_mode else None)
-            for j, (i, sz) in enumerate(zip(idx, sizes)):
-                b.layout.append((i, off, sz, specs[i][1]))
-                v = fam.view(b.flat, off, sz, specs[i][1])
+            b = _make_bucket(idx, specs, self.compression, self.fp32_sync, self.mean, nccl)
+            for j, (i, v) in enumerate(zip(b.indices, b.views)):
                 self._views[i] = v
                 self._bucket_of[i] = bi
                 self._pos[i] = j
-                b.views.append(v)
-                off += sz
-            b.small = fam.view(b.flat, 0, b.small_numel, (b.small_numel,)) if b.direct and b.small_numel else None
-            b.wire = b.flat if wire == dt else fam.zeros(b.numel, wire, dev)
-            b.work = None
-            b.outs = None
-            b.srcs = None
             self._buckets.append(b)
 
     def _reset_step(self):
@@ -583,41 +506,13 @@ class DistributedGradReducer:
                 for i, off, sz, shape in b.layout:
                     out[i] = b.fam.view(flat, off, sz, shape)
             return out
-        slots = [self._out_slot(b) for b in self._buckets]
+        slots = [_out_slot(b) for b in self._buckets]
         self._run(grads, into=[sl[0] for sl in slots], into_views=[sl[1] for sl in slots],
                   into_small=[sl[3] for sl in slots])
         for b, sl in zip(self._buckets, slots):
             for (i, _, _, _), v in zip(b.layout, sl[1]):
                 out[i] = v
         return out
-
-    def _out_slot(self, b):
-        """[flat, views] for reducer(grads)'s result: a kept one that nothing outside holds
-        any more (NumPy, CuPy: reference counts; making 161 views costs more host time than
-        the reduction), else a new one."""
-        global _torch_use_count
-        if b.fam is TORCH and _torch_use_count is None:
-            _torch_use_count = _torch_storage_use_count()
-        # a PyTorch view holds its base in C++, out of sight of Python's counts: reused only
-        # where the storage's own count can be read
-        pooled = b.fam is not TORCH or _torch_use_count is not None
-        if pooled:
-            if b.outs is None:
-                b.outs = []
-            for sl in b.outs:
-                if _refcounts(sl) == sl[2]:
-                    return sl
-        sl = [b.fam.empty(b.numel, b.fam.spec(b.flat)[1], b.device), None, None, None]
-        if b.fam is TORCH:
-            sl[1] = TORCH.views(sl[0], b.views)
-        else:
-            sl[1] = [b.fam.view(sl[0], off, sz, shape) for _, off, sz, shape in b.layout]
-        if b.small is not None:
-            sl[3] = b.fam.view(sl[0], 0, b.small_numel, (b.small_numel,))
-        if pooled and len(b.outs) < _OUT_SLOTS:
-            b.outs.append(sl)
-            sl[2] = _refcounts(sl)  # the counts while only the slot holds them
-        return sl
 
     def reduce_(self, grads):
         """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
