@@ -8,6 +8,8 @@ same order.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import _collectives as collectives
@@ -26,6 +28,27 @@ from .streams import _Null, _on_cupy_device
 
 COMPRESSIONS = (None, "fp16", "bf16")
 _FLOAT_NAMES = FLOAT_NAMES   # the dtypes gradients may have
+
+
+class _Step(NamedTuple):
+    """How one step issues its all-reduces, decided once as it starts.
+
+    overlap: a mark_ready() step: each bucket launched as its last gradient is ready (on a
+        side stream on NCCL, else a non-blocking request that wait() completes); False: a
+        blocking reduce_() or reducer(grads).
+    direct: big gradients of direct buckets reduced where they are, out of place from the
+        caller's arrays (see _ops); False: every bucket reduced packed, in place.
+    nccl_group: the transport whose NCCL group holds every bucket's all-reduces (a blocking
+        step on NCCL with several buckets and group_launch on; see _nccl_group), or None;
+        the post-steps (unscale, copy out of the wire buffer) then follow the group's end.
+    """
+    overlap: bool
+    direct: bool
+    nccl_group: object = None
+
+
+_OVERLAP_PACKED = _Step(overlap=True, direct=False)
+_OVERLAP_DIRECT = _Step(overlap=True, direct=True)
 
 
 def _agree(g, sig, err, params):
@@ -186,8 +209,8 @@ class DistributedGradReducer:
         self._given = {}
         self._active = False
         self._used_sides = []
-        self._step_direct = False  # this step reduces big gradients where they are (see _ops)
-        self._keep = []            # sources read on a side stream, held until the step ends
+        self._step = None  # this step's _Step, made as it starts
+        self._keep = []    # sources read on a side stream, held until the step ends
 
     def _replan(self, order):
         """Re-plan the buckets for gradients that become ready in ``order`` (every index
@@ -296,10 +319,10 @@ class DistributedGradReducer:
                                        "finish it with wait() first")
 
     # ----------------------------------------------------------- reduction
-    def _launch(self, b, overlap, post=True):
+    def _launch(self, b, step):
         fam, n = b.fam, self.size
         side = None
-        if b.stream_mode and overlap:
+        if b.stream_mode and step.overlap:
             side = self._side(b)
             fam.side_waits_current(side)
             ctx = fam.on(side)
@@ -311,11 +334,11 @@ class DistributedGradReducer:
                     fam.scale(b.wire, b.flat, n)
                 elif b.wire is not b.flat:
                     fam.copy(b.wire, b.flat)
-                if b.stream_mode or not overlap:
+                if b.stream_mode or not step.overlap:
                     # enqueued on the stream (ordered, nothing to wait for on the host), or a
                     # blocking step on the host: a blocking call, which may take the
                     # shared-memory path
-                    ops = self._ops(b, self._step_direct or (overlap and self._direct_overlap))
+                    ops = self._ops(b, step.direct)
                     t = get_group(self.group).transport if len(ops) > 1 and b.stream_mode else None
                     if t is not None:
                         t.group_start()  # one NCCL launch for the bucket (nested in _launch_all's)
@@ -335,7 +358,7 @@ class DistributedGradReducer:
                                 else:
                                     self._keep.append(src)
                         b.srcs = None
-                    if post:
+                    if step.nccl_group is None:  # (else after the group: _launch_all)
                         self._post(b)
                 else:
                     b.work = collectives.all_reduce(b.wire, b.op, out=b.wire, group=self.group,
@@ -377,10 +400,10 @@ class DistributedGradReducer:
             self._used_sides.append(key)
         return s
 
-    def _launch_ready(self, overlap, post=True):
+    def _launch_ready(self, step):
         bs = self._buckets
         while self._next < len(bs) and bs[self._next].remaining == 0:
-            self._launch(bs[self._next], overlap, post)
+            self._launch(bs[self._next], step)
             self._next += 1
 
     def _nccl_group(self):
@@ -390,17 +413,17 @@ class DistributedGradReducer:
             return None
         return get_group(self.group).transport
 
-    def _launch_all(self):
-        """Blocking step: launch every bucket (in one NCCL group where _nccl_group allows)."""
-        t = self._nccl_group()
+    def _launch_all(self, step):
+        """Blocking step: launch every bucket (in one NCCL group where the step has one)."""
+        t = step.nccl_group
         if t is None:
-            self._launch_ready(overlap=False)
+            self._launch_ready(step)
             return
         # The post-steps (unscale, copy out of a compressed wire buffer) must follow the
         # all-reduces on the stream, and NCCL enqueues those only at groupEnd.
         t.group_start()
         try:
-            self._launch_ready(overlap=False, post=False)
+            self._launch_ready(step)
         finally:
             t.group_end()
         for b in self._buckets:
@@ -436,18 +459,20 @@ class DistributedGradReducer:
                 self._torch_check(grads)
         else:
             self._check_grads(grads)
+        # blocking; direct where the results go to new buffers (big gradients reduced from
+        # ``grads`` into them); grouped where _nccl_group allows
+        step = self._step = _Step(overlap=False, direct=into is not None, nccl_group=self._nccl_group())
         saved = None
         if into is not None:
             saved = [(b.flat, b.wire, b.small) for b in self._buckets]
             for b, new, sm in zip(self._buckets, into, into_small):
                 b.wire = new if b.wire is b.flat else b.wire
                 b.flat, b.small = new, sm
-            self._step_direct = True
         try:
             for bi, b in enumerate(self._buckets):
                 given = [grads[i] for i in b.indices]
                 ns = len(given)
-                if into is not None and b.direct:
+                if step.direct and b.direct:
                     ns = b.nsmall
                     tv = into_views[bi]
                     srcs = b.srcs = {}
@@ -483,7 +508,7 @@ class DistributedGradReducer:
                             b.fam.copy(v, g)
             for b in self._buckets:
                 b.remaining = 0
-            self._launch_all()
+            self._launch_all(step)
             self._finish()
         finally:
             if saved is not None:
@@ -551,23 +576,31 @@ class DistributedGradReducer:
             if grad is not v:
                 self._specs[i][0].copy(v, grad)
                 self._given[i] = grad
-        self._active = True
+        if not self._active:
+            self._begin_overlapped()
         self._ready[i] = True
         b = self._buckets[self._bucket_of[i]]
         b.remaining -= 1
         if b.remaining == 0:
-            self._launch_ready(overlap=True)
+            self._launch_ready(self._step)
         for b in self._buckets[:self._next]:  # let MPI progress the transfers in flight
             if b.work is not None:
                 b.work.is_completed()
+
+    def _begin_overlapped(self):
+        """Start a mark_ready() step: overlapped, and direct where DistributedDataParallel
+        set _direct_overlap."""
+        self._step = _OVERLAP_DIRECT if self._direct_overlap else _OVERLAP_PACKED
+        self._active = True
 
     def _ready_from(self, i, g):
         """Gradient ``i`` is final in ``g``, a tensor of its own (mpicomm.torch's DDP after
         ``zero_grad(set_to_none=True)``): a big gradient of a direct step is reduced from
         ``g`` straight into ``grad_views()[i]``; any other is copied there first."""
+        direct = self._step.direct if self._active else self._direct_overlap  # (what the step will be)
         b = self._buckets[self._bucket_of[i]]
         j = self._pos[i]
-        if self._direct_overlap and b.direct and j >= b.nsmall and _contiguous(g):
+        if direct and b.direct and j >= b.nsmall and _contiguous(g):
             if b.srcs is None:
                 b.srcs = {}
             b.srcs[j] = (g, self._views[i])
