@@ -5,6 +5,7 @@
 - :mod:`~mpicomm.training.copy_kernel`: the CUDA kernel that packs a bucket in one launch;
 - :mod:`~mpicomm.training.planner`: which gradients share a bucket (``plan_buckets``);
 - :mod:`~mpicomm.training.layout`: one bucket's buffers, wire dtype, mean and direct gradients;
+- :mod:`~mpicomm.training.checks`: the checks of the gradients handed to the reducer;
 - :mod:`~mpicomm.training.results`: ``reducer(grads)``'s result buffers, reused once dropped;
 - :mod:`~mpicomm.training.reducer`: :class:`DistributedGradReducer`;
 - :mod:`~mpicomm.training.fused`: :func:`all_reduce_coalesced`, :func:`broadcast_parameters`.

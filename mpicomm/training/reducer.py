@@ -18,8 +18,9 @@ from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
 from . import context as _context
 from .context import check_fusion_config, get_auto_parallel_context
+from .checks import _GradChecks
 from .copy_kernel import _multi_copy, _torch_multi_copy
-from .families import CUPY, TORCH, _as_list, _contiguous, _family, _key_plan
+from .families import CUPY, TORCH, _as_list, _contiguous, _key_plan
 from .fused import broadcast_parameters
 from .layout import _make_bucket
 from .planner import check_bucket_cap_mb, plan_buckets
@@ -66,25 +67,6 @@ def _agree(g, sig, err, params):
     if diff:
         raise invalid("parameters", f"{len(params)} arrays", "the same parameters (shapes, dtypes) "
                       f"and options on every rank of the group; rank(s) {diff} differ from rank 0")
-
-
-def _fast_specs(specs):
-    """What _run's one-pass checks compare: (CuPy specs, PyTorch specs, PyTorch specs as
-    lists by field), each None unless every gradient is a CuPy array (a PyTorch tensor)."""
-    # CuPy gradients: what one pass over them compares (shape, dtype, device, C strides)
-    cupy_specs = None
-    if specs and all(sp[0] is CUPY for sp in specs):
-        cupy_specs = [(tuple(sh), dt, int(dev.split(":")[1]),
-                       tuple(int(np.prod(sh[k + 1:], dtype=np.int64)) * dt.itemsize for k in range(len(sh))))
-                      for _, sh, dt, dev, _ in specs]
-    # PyTorch gradients: shape, dtype and device index (-1: CPU), compared in one pass
-    torch_specs = torch_lists = None
-    if specs and all(sp[0] is TORCH for sp in specs):
-        tsize = TORCH._t().Size
-        torch_specs = [(tsize(sh), dt, int(dev.split(":")[1]) if ":" in dev else (-1 if dev == "cpu" else None))
-                       for _, sh, dt, dev, _ in specs]
-        torch_lists = tuple(list(c) for c in zip(*torch_specs))
-    return cupy_specs, torch_specs, torch_lists
 
 
 class DistributedGradReducer:
@@ -168,7 +150,7 @@ class DistributedGradReducer:
         self.compression = compression
         self.fp32_sync = bool(fp32_sync)
         self._specs = specs
-        self._cupy_specs, self._torch_specs, self._torch_lists = _fast_specs(specs)
+        self._checks = _GradChecks(specs)
         self._plan = plan
         self._keys = keys
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
@@ -243,74 +225,6 @@ class DistributedGradReducer:
         return list(self._views)
 
     # ----------------------------------------------------------- checks
-    def _check_grad(self, i, g, arg):
-        fam, shape, dt, dev, _ = self._specs[i]
-        v = self._views[i]
-        if g is v:
-            return
-        if type(g) is not type(v):  # (the same type as the view is the same family)
-            try:
-                gfam = _family(g, arg)
-            except InvalidArgumentError:
-                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]") from None
-            if gfam is not fam:
-                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]")
-        gshape, gdt, gdev, _ = fam.spec(g)
-        if gshape != shape:
-            raise invalid(f"{arg}.shape", gshape, f"{shape}, the shape of parameters[{i}]")
-        if gdt != dt:
-            raise invalid(f"{arg}.dtype", fam.dtype_name(gdt), f"{fam.dtype_name(dt)}, the dtype of parameters[{i}]")
-        if gdev != dev:
-            raise invalid(f"{arg}.device", gdev, f"{dev}, the device of parameters[{i}]")
-
-    def _cupy_pointers(self, grads):
-        """One pass over CuPy gradients: _check_grad's checks and each one's device pointer
-        (None where it is not C-contiguous). Raises as _check_grad does."""
-        import cupy
-
-        nd = cupy.ndarray
-        out = [None] * len(grads)
-        for i, (g, sp) in enumerate(zip(grads, self._cupy_specs)):
-            if type(g) is not nd or g.shape != sp[0] or g.dtype != sp[1] or g.data.device_id != sp[2]:
-                self._check_grad(i, g, f"grads[{i}]")  # raises naming what is wrong (subclasses pass)
-            if g.strides == sp[3]:
-                out[i] = g.data.ptr
-        return out
-
-    def _torch_check(self, grads):
-        """_check_grads for PyTorch gradients: shapes, dtypes and devices compared list to
-        list (about 0.2 us a gradient where _check_grad's full comparison costs several);
-        on a difference or a non-tensor, _check_grad names it."""
-        sh, dt, dv = self._torch_lists
-        try:
-            if [g.shape for g in grads] == sh and [g.dtype for g in grads] == dt \
-                    and [g.get_device() for g in grads] == dv:
-                return
-        except AttributeError:
-            pass
-        for i, (g, sp) in enumerate(zip(grads, self._torch_specs)):
-            try:
-                ok = g.shape == sp[0] and g.dtype is sp[1] and g.get_device() == sp[2]
-            except Exception:  # not a tensor: _check_grad names what it is
-                ok = False
-            if not ok:
-                self._check_grad(i, g, f"grads[{i}]")
-
-    def _torch_pointers(self, grads):
-        """_torch_check, and each CUDA tensor's data pointer (None where not contiguous)."""
-        self._torch_check(grads)
-        return [g.data_ptr() if g.is_contiguous() else None for g in grads]
-
-    def _check_grads(self, grads):
-        if not isinstance(grads, (list, tuple)):
-            raise invalid("grads", type(grads).__name__, f"a list or tuple of {len(self._specs)} arrays, "
-                          "one per parameter, in the parameters' order")
-        if len(grads) != len(self._specs):
-            raise invalid("grads", f"a {type(grads).__name__} of {len(grads)} arrays",
-                          f"{len(self._specs)} arrays, one per parameter, in the parameters' order")
-        for i, g in enumerate(grads):
-            self._check_grad(i, g, f"grads[{i}]")
-
     def _check_idle(self, what):
         if self._active:
             missing = [i for i, r in enumerate(self._ready) if not r]
@@ -449,16 +363,16 @@ class DistributedGradReducer:
         self._check_idle("reducing")
         ptrs = None
         listed = isinstance(grads, (list, tuple)) and len(grads) == len(self._specs)
-        if into is not None and self._cupy_specs is not None and listed:
-            ptrs = self._cupy_pointers(grads)
-        elif self._torch_specs is not None and listed:
+        if into is not None and self._checks.cupy is not None and listed:
+            ptrs = self._checks.cupy_pointers(grads, self._views)
+        elif self._checks.torch is not None and listed:
             if (into is not None or grads[0] is not self._views[0]) and self._buckets \
                     and all(b.stream_mode for b in self._buckets):
-                ptrs = self._torch_pointers(grads)   # CUDA tensors: packed by the CuPy copy kernel
+                ptrs = self._checks.torch_pointers(grads, self._views)   # CUDA tensors: packed by the CuPy copy kernel
             else:
-                self._torch_check(grads)
+                self._checks.torch_check(grads, self._views)
         else:
-            self._check_grads(grads)
+            self._checks.grads(grads, self._views)
         # blocking; direct where the results go to new buffers (big gradients reduced from
         # ``grads`` into them); grouped where _nccl_group allows
         step = self._step = _Step(overlap=False, direct=into is not None, nccl_group=self._nccl_group())
@@ -571,7 +485,7 @@ class DistributedGradReducer:
             raise invalid("i", i, "a gradient not yet marked ready in this step (call wait() to "
                           "finish the step before marking it again)")
         if grad is not None:
-            self._check_grad(i, grad, "grad")
+            self._checks.grad(i, grad, "grad", self._views[i])
             v = self._views[i]
             if grad is not v:
                 self._specs[i][0].copy(v, grad)
