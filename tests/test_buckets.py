@@ -10,7 +10,7 @@ from conftest import rank_rng
 import mpicomm
 from mpicomm import InvalidArgumentError
 from mpicomm._arrays import BFLOAT16
-from mpicomm.training.buckets import plan_buckets
+from mpicomm.training.planner import plan_buckets
 
 MIB = 1 << 20
 

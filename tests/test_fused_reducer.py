@@ -74,7 +74,7 @@ def test_dropped_torch_results_are_reused(comm, request):
     next call packs into the same memory (no new views to make); a result still held
     anywhere (here a view of a view) keeps its buffer out of reuse."""
     torch = pytest.importorskip("torch")
-    from mpicomm.training.buckets import _torch_storage_use_count
+    from mpicomm.training.results import _torch_storage_use_count
 
     if comm.get_backend() != "mpi":
         pytest.skip("CPU tensors: the MPI backend")
@@ -138,7 +138,7 @@ def test_multi_copy_kernel_odd_sizes(cupy_nccl, rng, sizes):
     """The copy kernel over buffers of every alignment (1-byte to 16-byte) and sizes
     across its 256 KiB chunks, both ways."""
     cp = cupy_nccl
-    from mpicomm.training.buckets import CUPY
+    from mpicomm.training.families import CUPY
 
     arrays = [cp.asarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in sizes]
     flat = cp.zeros(sum(sizes), np.uint8)
@@ -157,10 +157,10 @@ def check_direct(xp, to_dev, get, name, mean, low, monkeypatch, mode="call"):
     in the result, and packs only the smaller ones. The same calls on every rank even where
     one rank's big gradient is not contiguous (it is copied into place first); the inputs
     stay as they were; earlier results stay intact."""
-    from mpicomm.training import buckets
+    from mpicomm.training import layout
 
     if low:
-        monkeypatch.setattr(buckets, "_DIRECT_MIN_BYTES", 64)
+        monkeypatch.setattr(layout, "_DIRECT_MIN_BYTES", 64)
         shapes = [(6, 5), (5,), (40, 30), (4,), (30, 7), (3,)]
     else:
         shapes = [(3,), (1100, 1000), (5, 7), (1024, 1025), (9,)]

@@ -90,9 +90,9 @@ def test_reducer_fused_on_cuda_tensors(cuda, mode, cap, dtype):
 def direct_low(monkeypatch):
     """Gradients of 64 bytes or more take the direct path (reduced from where autograd or
     the caller leaves them, not copied into the bucket), so these small models use it."""
-    from mpicomm.training import buckets
+    from mpicomm.training import layout
 
-    monkeypatch.setattr(buckets, "_DIRECT_MIN_BYTES", 64)
+    monkeypatch.setattr(layout, "_DIRECT_MIN_BYTES", 64)
 
 
 @pytest.mark.parametrize("plan", list(tt.PLANS))

@@ -504,7 +504,7 @@ def test_buckets_follow_ready_order(comm):
 
 
 def test_plan_buckets_in_a_given_order():
-    from mpicomm.training.buckets import plan_buckets
+    from mpicomm.training.planner import plan_buckets
 
     nb = [100, 200, 300, 400, 500]
     assert plan_buckets(nb, bucket_cap_mb=0) == [[4], [3], [2], [1], [0]]

@@ -192,6 +192,12 @@ def test_load_mnist(tmp_path):
 
 
 def test_reducer_is_public():
-    assert mpicomm.DistributedGradReducer.__module__ == "mpicomm.training.buckets"
+    assert mpicomm.DistributedGradReducer.__module__ == "mpicomm.training.reducer"
+    assert mpicomm.all_reduce_coalesced.__module__ == "mpicomm.training.fused"
+    from mpicomm.training import buckets  # the names it held before the split, re-exported
+
+    assert buckets.DistributedGradReducer is mpicomm.DistributedGradReducer
+    assert buckets.broadcast_parameters is mpicomm.broadcast_parameters
+    assert callable(buckets.plan_buckets) and buckets.TORCH is not None
     assert mpicomm.DistributedSampler.__module__ == "mpicomm.training.sampler"
     assert mpicomm.set_auto_parallel_context.__module__ == "mpicomm.training.context"

@@ -26,7 +26,9 @@ from torch import nn
 from .. import _collectives as collectives
 from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, invalid
-from ..training.buckets import TORCH, DistributedGradReducer, broadcast_parameters
+from ..training.families import TORCH
+from ..training.fused import broadcast_parameters
+from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, check_mode
 
 

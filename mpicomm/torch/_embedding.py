@@ -31,7 +31,7 @@ from torch import nn
 from .. import _collectives as collectives
 from .._state import CTX, get_group
 from ..errors import invalid
-from ..training.buckets import TORCH
+from ..training.families import TORCH
 
 MODES = ("auto", "all_gather", "all_reduce")
 # "auto" leaves tables smaller than this on the dense path: all-reducing them costs little,

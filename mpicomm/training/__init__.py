@@ -1,7 +1,12 @@
 """Data-parallel training helpers, built on the collectives of :mod:`mpicomm`.
 
-- :mod:`~mpicomm.training.buckets`: gradient fusion (:class:`DistributedGradReducer`,
-  :func:`all_reduce_coalesced`, :func:`broadcast_parameters`, ``plan_buckets``).
+- :mod:`~mpicomm.training.reducer`: :class:`DistributedGradReducer`, gradients reduced in
+  persistent fused buckets, over the bucket plan of :mod:`~mpicomm.training.planner`
+  (``plan_buckets``), the buckets of :mod:`~mpicomm.training.layout`, the array families of
+  :mod:`~mpicomm.training.families` and the CUDA copy kernel of
+  :mod:`~mpicomm.training.copy_kernel`.
+- :mod:`~mpicomm.training.fused`: one-off fused calls (:func:`all_reduce_coalesced`,
+  :func:`broadcast_parameters`).
 - :mod:`~mpicomm.training.context`: the auto-parallel context, MindSpore's process-wide
   data-parallel settings (:func:`set_auto_parallel_context` and its get and reset).
 - :mod:`~mpicomm.training.sampler`: :class:`DistributedSampler`, each rank's share of a
@@ -10,7 +15,8 @@
 The same names are reachable as ``mpicomm.DistributedGradReducer`` and so on; ``import
 mpicomm`` loads this package only when one of them is first used.
 """
-from .buckets import DistributedGradReducer, all_reduce_coalesced, broadcast_parameters
+from .fused import all_reduce_coalesced, broadcast_parameters
+from .reducer import DistributedGradReducer
 from .context import get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context
 from .sampler import DistributedSampler
 
