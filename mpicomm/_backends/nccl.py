@@ -20,6 +20,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
+from .capture import current_capturing, stream_capturing
 from .mpi import MPITransport
 from .tagged import TaggedP2P
 
@@ -73,6 +74,21 @@ class NCCLWork(Work):
 
     def _idle(self):
         time.sleep(5e-5)
+
+
+def _not_captured(p, x):
+    """Prepared call ``p`` on host array ``x`` (it runs at once over MPI), refused while the
+    current stream is capturing a CUDA graph: a replay would not repeat it."""
+    run = p.run
+
+    def checked(x, out):
+        if current_capturing():
+            raise invalid("x", f"a host array ({type(x).__module__}.{type(x).__name__}) during a CUDA graph "
+                          "capture", "a GPU array: a call on host arrays runs at once over MPI, and a replay of "
+                          "the graph would not repeat it (make the call outside the capture, or on GPU arrays)")
+        return run(x, out)
+    p.run = checked
+    return p
 
 
 class NCCLBackend(Backend):
@@ -172,7 +188,7 @@ class NCCLTransport:
 
     def prepare(self, code, x, out, arg, async_op, stream):
         if x.__class__ is not self.cupy.ndarray and not is_gpu_array(x):
-            return self.host.prepare(code, x, out, arg, async_op, stream)
+            return _not_captured(self.host.prepare(code, x, out, arg, async_op, stream), x)
         return self._prepare[code](x, out, arg, async_op, stream)
 
     # ----------------------------------------------------------- array families
@@ -320,7 +336,10 @@ class NCCLTransport:
     def _work(self, p, result, keep, what):
         ev = self.cupy.cuda.Event(block=False, disable_timing=True)
         self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
-        return NCCLWork(ev, result, what, keep)
+        w = NCCLWork(ev, result, what, keep)
+        if stream_capturing(p):   # captured in a CUDA graph: the replay's stream orders what
+            w._done = True        # follows, and the host has nothing to wait for
+        return w
 
     def _prepare_call(self, code, x, out, arg, async_op, stream, meth, extra, oshape_of, rule, count_div=1,
                       op=None):
@@ -553,7 +572,7 @@ class NCCLTransport:
     def prepare_sized(self, code, x, out, arg, async_op, stream):
         probe = x if x is not None else out
         if probe.__class__ is not self.cupy.ndarray and not is_gpu_array(probe):
-            return self.host.prepare_sized(code, x, out, arg, async_op, stream)
+            return _not_captured(self.host.prepare_sized(code, x, out, arg, async_op, stream), probe)
         return self._prepare_v(code, x, out, arg, async_op, stream)
 
     def _prepare_v(self, code, x, out, arg, async_op, stream):

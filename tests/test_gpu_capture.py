@@ -1,0 +1,136 @@
+"""mpicomm collectives captured in a CUDA graph (CuPy stream capture and torch.cuda.graph)
+and replayed: each replay runs the captured NCCL calls on the arrays' current contents.
+Calls that cannot be captured (host arrays, sizes="auto") raise during capture. Skipped
+(on every rank alike) where the backend is not NCCL; run on the 2-GPU machine."""
+import numpy as np
+import pytest
+
+import mpicomm
+
+pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
+
+COLLS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+
+
+@pytest.fixture(scope="module")
+def nccl(comm):
+    if mpicomm.get_backend() != "nccl":
+        pytest.skip("needs the NCCL backend (a GPU and CuPy)")
+    return mpicomm.get_group_size(), mpicomm.get_rank()
+
+
+def parts(n, seed, k):
+    """Every rank's float32 input of k * n elements for replay ``seed`` (the same on every rank)."""
+    return [np.random.default_rng([seed, q]).standard_normal(k * n).astype(np.float32) for q in range(n)]
+
+
+def expected(coll, p, r, k):
+    if coll == "all_reduce":
+        return np.sum(p, axis=0)
+    if coll == "all_gather":
+        return np.concatenate(p)
+    if coll == "reduce_scatter":
+        return np.sum(p, axis=0)[r * k:(r + 1) * k]
+    return p[0]   # broadcast from rank 0
+
+
+def call(coll, x, out=None):
+    if coll == "all_reduce":
+        return mpicomm.all_reduce(x, out=out)
+    if coll == "all_gather":
+        return mpicomm.all_gather(x, out=out)
+    if coll == "reduce_scatter":
+        return mpicomm.reduce_scatter(x, out=out)
+    return mpicomm.broadcast(x, root=0)
+
+
+@pytest.mark.parametrize("coll", COLLS)
+@pytest.mark.parametrize("given_out", [True, False], ids=["out", "new"])
+def test_cupy_capture_and_replay(nccl, coll, given_out):
+    import cupy as cp
+
+    n, r, k = *nccl, 6
+    s = cp.cuda.Stream(non_blocking=True)
+    x = cp.asarray(parts(n, 0, k)[r])
+    oshape = {"all_reduce": k * n, "all_gather": k * n * n, "reduce_scatter": k}.get(coll)
+    out = cp.empty(oshape, cp.float32) if given_out and oshape else None
+    with s:
+        call(coll, x, out)   # prepared (and its output's memory in the pool) before capture
+        s.synchronize()
+        s.begin_capture()
+        res = call(coll, x, out)
+        g = s.end_capture()
+    for rep in range(1, 4):
+        p = parts(n, rep, k)
+        x[...] = cp.asarray(p[r])
+        s.synchronize()
+        g.launch(stream=s)
+        s.synchronize()
+        np.testing.assert_allclose(cp.asnumpy(res), expected(coll, p, r, k), rtol=1e-5, atol=1e-5)
+    # the group goes on uncaptured
+    p = parts(n, 9, k)
+    x[...] = cp.asarray(p[r])
+    with s:
+        got = call(coll, x)
+        s.synchronize()
+    np.testing.assert_allclose(cp.asnumpy(got), expected(coll, p, r, k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("coll", COLLS)
+def test_torch_graph_capture_and_replay(nccl, coll):
+    torch = pytest.importorskip("torch")
+    n, r, k = *nccl, 6
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.from_numpy(parts(n, 0, k)[r]).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up on a side stream, as torch.cuda.graph's docs ask
+        call(coll, x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = call(coll, x)
+    for rep in range(1, 4):
+        p = parts(n, rep, k)
+        x.copy_(torch.from_numpy(p[r]).to(dev))
+        g.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(res.cpu().numpy(), expected(coll, p, r, k), rtol=1e-5, atol=1e-5)
+
+
+def test_async_work_in_a_capture(nccl):
+    """async_op=True in a capture: wait() orders nothing on the host (the replay's stream
+    orders what follows); the result is right on every replay."""
+    torch = pytest.importorskip("torch")
+    n, r, k = *nccl, 4
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.from_numpy(parts(n, 0, k)[r]).to(dev)
+    mpicomm.all_reduce(x.clone())
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w = mpicomm.all_reduce(x, out=x, async_op=True)
+        w.wait()
+        y = x * 2
+    for rep in range(1, 3):
+        p = parts(n, rep, k)
+        x.copy_(torch.from_numpy(p[r]).to(dev))
+        g.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(y.cpu().numpy(), 2 * np.sum(p, axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_host_array_in_a_capture_raises(nccl):
+    """A host array's call runs on the host at once (over MPI): a replay would not repeat
+    it, so it is refused during a capture, on every rank alike."""
+    torch = pytest.importorskip("torch")
+    n, r = nccl
+    h = np.random.default_rng([3, r]).standard_normal(4)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(mpicomm.InvalidArgumentError, match="captur"):
+        with torch.cuda.graph(g):
+            mpicomm.all_reduce(h)
+    # the group goes on
+    hs = [np.random.default_rng([4, q]).standard_normal(4) for q in range(n)]
+    np.testing.assert_allclose(mpicomm.all_reduce(hs[r]), np.sum(hs, axis=0), rtol=1e-12)
