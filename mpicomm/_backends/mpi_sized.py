@@ -2,10 +2,13 @@
 reduce_scatter and all_to_all with ``sizes``/``in_splits``/``out_splits`` (MPI's v calls).
 
 The front (mpicomm._sizes) has checked the sizes (a tuple of non-negative ints, one per
-rank) or exchanged them. Each collective builds its layout (counts and displacements of
-MPI's v calls) once at prepare time; its run binds the arrays and makes the call.
+rank) or exchanged them. Each collective's layout (counts and displacements of MPI's v
+calls, the result's shape) is built by one small function (``gather_layout``, ...) when
+the call is prepared; its run binds the arrays and makes the call.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -20,10 +23,93 @@ from .mpi_common import F32, HostSteps, address, as_host, plain_out
 _AVG = ReduceOp.AVG
 
 
+class Layout(NamedTuple):
+    """The parts of a v call: MPI's counts and displacements (in elements) of each rank's
+    part in the array of all parts, and the shape of this rank's result."""
+
+    counts: list
+    displs: list
+    oshape: tuple
+
+
+def _parts(sizes, trail, what):
+    """(counts, displacements) in elements of parts of ``sizes`` rows of ``trail``."""
+    t = 1
+    for d in trail:
+        t *= int(d)
+    counts = [s * t for s in sizes]
+    displs, acc = offsets(counts), sum(counts)
+    from .mpi import MAX_COUNT   # (read when the call is prepared: the tests lower it there)
+    if acc > MAX_COUNT:
+        raise invalid("sizes", f"{acc} elements in all", f"at most {MAX_COUNT} elements ({what} with "
+                      "per-rank sizes does not go in pieces; split the call)")
+    return counts, displs
+
+
+def all_gather_layout(shape, sizes, rank):
+    """all_gather with sizes: rank i gives sizes[i] rows; every rank gets all of them."""
+    if shape[0] != sizes[rank]:
+        raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+    trail = shape[1:]
+    return Layout(*_parts(sizes, trail, "all_gather"), (sum(sizes),) + trail)
+
+
+def reduce_scatter_layout(shape, sizes, rank):
+    """reduce_scatter with sizes: rank i gets sizes[i] rows of the reduced x."""
+    if sum(sizes) != shape[0]:
+        raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {shape[0]} "
+                      "(reduce_scatter gives rank i sizes[i] rows of the reduced x)")
+    trail = shape[1:]
+    return Layout(*_parts(sizes, trail, "reduce_scatter"), (sizes[rank],) + trail)
+
+
+def gather_layout(shape, sizes, n, rank):
+    """gather: rank i gives sizes[i] rows (None: each as many as this rank, an even gather)."""
+    if sizes is None:
+        sizes = (shape[0] if len(shape) else 1,) * n
+    elif shape[0] != sizes[rank]:
+        raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+    trail = shape[1:]
+    return Layout(*_parts(sizes, trail, "gather"), (sum(sizes),) + trail)
+
+
+def scatter_layout(shape, sizes, n, rank):
+    """scatter, on the root: rank i gets sizes[i] rows of x (None: n equal parts)."""
+    d0, trail = shape[0], shape[1:]
+    if sizes is None:
+        if d0 % n:
+            raise invalid("x.shape", shape, f"a first axis divisible by the group size {n} on the root, "
+                          "or sizes (scatter gives rank i part i of axis 0)")
+        sizes = (d0 // n,) * n
+    elif sum(sizes) != d0:
+        raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {d0}")
+    return Layout(*_parts(sizes, trail, "scatter"), (sizes[rank],) + trail)
+
+
+def all_to_all_layouts(shape, ins, outs, oshape0, n, rank):
+    """all_to_all with splits: (what this rank sends, what it receives). ``ins``/``outs`` None:
+    even chunks of x's axis 0 / of out='s (``oshape0``: out='s shape where given, else None)."""
+    d0, trail = shape[0], shape[1:]
+    if ins is None:
+        if d0 % n:
+            raise invalid("x.shape", shape, f"a first axis divisible by the group size {n}, or in_splits")
+        ins = (d0 // n,) * n
+    elif sum(ins) != d0:
+        raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {rank})")
+    if outs is None:   # the output split evenly: out='s axis 0, else x's
+        o0 = int(oshape0[0]) if oshape0 else d0
+        if o0 % n:
+            raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
+                          "or out_splits (a list, or 'auto')")
+        outs = (o0 // n,) * n
+    oshape = (sum(outs),) + trail
+    return (Layout(*_parts(ins, trail, "all_to_all"), oshape), Layout(*_parts(outs, trail, "all_to_all"), oshape))
+
+
 class SizedCalls(HostSteps):
     """The collectives with per-rank sizes of the MPI transport (see the module docstring)."""
 
-    # Calls whose arg is a Sized (base, sizes, out_sizes): the front (mpicomm._collectives) has
+    # Calls whose arg is a Sized (base, sizes, out_sizes): the front (mpicomm._sizes) has
     # checked the sizes (a tuple of non-negative ints, one per rank) or exchanged them.
     _SIZED = {ALL_GATHER: "_prepare_all_gather_v", ALL_TO_ALL: "_prepare_all_to_all_v",
               REDUCE_SCATTER: "_prepare_reduce_scatter_v", GATHER: "_prepare_gather",
@@ -31,20 +117,6 @@ class SizedCalls(HostSteps):
 
     def prepare_sized(self, code, x, out, arg, async_op, stream):
         return getattr(self, self._SIZED[code])(x, out, arg, async_op, stream)
-
-    @staticmethod
-    def _layout(sizes, trail, what):
-        """(counts, displacements, total) in elements of parts of ``sizes`` rows of ``trail``."""
-        t = 1
-        for d in trail:
-            t *= int(d)
-        counts = [s * t for s in sizes]
-        displs, acc = offsets(counts), sum(counts)
-        from .mpi import MAX_COUNT   # (read when the call is prepared: the tests lower it there)
-        if acc > MAX_COUNT:
-            raise invalid("sizes", f"{acc} elements in all", f"at most {MAX_COUNT} elements ({what} with "
-                          "per-rank sizes does not go in pieces; split the call)")
-        return counts, displs, acc
 
     def _slot_v(self, counts, displs, itemsize, out_is_part=False):
         """slot(o, x): x is exactly this rank's part of o (the in-place form of the v calls), or
@@ -109,12 +181,8 @@ class SizedCalls(HostSteps):
         xh, _ = as_host(x)
         self._axis0(xh, "all_gather")
         row = of_numpy(xh.dtype)
-        comm, rank, dt, dtype = self.comm, self.rank, row.mpi, xh.dtype
-        if xh.shape[0] != sizes[rank]:
-            raise invalid("x.shape", xh.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-        trail = xh.shape[1:]
-        counts, displs, total = self._layout(sizes, trail, "all_gather")
-        oshape = (sum(sizes),) + trail
+        comm, dt, dtype = self.comm, row.mpi, xh.dtype
+        counts, displs, oshape = all_gather_layout(xh.shape, sizes, self.rank)
         slot = self._slot_v(counts, displs, dtype.itemsize)
         self._check_role(x, out, xh, oshape, "all_gather gives axis 0 the sum of sizes", slot)
         role = role_of(x, out)
@@ -134,24 +202,9 @@ class SizedCalls(HostSteps):
         xh, _ = as_host(x)
         self._axis0(xh, "all_to_all")
         row = of_numpy(xh.dtype)
-        n, comm, dt, dtype = self.size, self.comm, row.mpi, xh.dtype
-        d0, trail = xh.shape[0], xh.shape[1:]
-        if ins is None:
-            if d0 % n:
-                raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n}, or in_splits")
-            ins = (d0 // n,) * n
-        elif sum(ins) != d0:
-            raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {self.rank})")
-        if outs is None:   # the output split evenly: out='s axis 0, else x's
-            os_ = getattr(out, "shape", None) if out is not None and out is not x else None
-            o0 = int(os_[0]) if os_ else d0
-            if o0 % n:
-                raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
-                              "or out_splits (a list, or 'auto')")
-            outs = (o0 // n,) * n
-        sc, sd, _ = self._layout(ins, trail, "all_to_all")
-        rc, rd, _ = self._layout(outs, trail, "all_to_all")
-        oshape = (sum(outs),) + trail
+        comm, dt, dtype = self.comm, row.mpi, xh.dtype
+        oshape0 = getattr(out, "shape", None) if out is not None and out is not x else None
+        (sc, sd, oshape), (rc, rd, _) = all_to_all_layouts(xh.shape, ins, outs, oshape0, self.size, self.rank)
         self._check_role(x, out, xh, oshape, "all_to_all gives axis 0 the sum of out_splits")
         role = role_of(x, out)
         what = ("all_to_all", xh.shape, dtype)
@@ -174,13 +227,8 @@ class SizedCalls(HostSteps):
         self._axis0(xh, "reduce_scatter")
         row = of_numpy(xh.dtype)
         check_op_dtype(op, row)
-        n, rank, comm, dt, dtype, mop = self.size, self.rank, self.comm, row.mpi, xh.dtype, self._ops(row)[op]
-        if sum(sizes) != xh.shape[0]:
-            raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {xh.shape[0]} "
-                          "(reduce_scatter gives rank i sizes[i] rows of the reduced x)")
-        trail = xh.shape[1:]
-        counts, displs, _ = self._layout(sizes, trail, "reduce_scatter")
-        oshape = (sizes[rank],) + trail
+        n, comm, dt, dtype, mop = self.size, self.comm, row.mpi, xh.dtype, self._ops(row)[op]
+        counts, displs, oshape = reduce_scatter_layout(xh.shape, sizes, self.rank)
         slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "reduce_scatter gives rank i sizes[i] rows", slot)
         role = role_of(x, out)
@@ -217,19 +265,11 @@ class SizedCalls(HostSteps):
         root = self._root(root)
         xh, _ = as_host(x)
         row = of_numpy(xh.dtype)
-        n, rank, comm, dt, dtype = self.size, self.rank, self.comm, row.mpi, xh.dtype
-        is_root = rank == root
-        if sizes is None:
-            even = True
-            sizes = (xh.shape[0] if xh.ndim else 1,) * n
-        else:
-            even = False
+        comm, dt, dtype = self.comm, row.mpi, xh.dtype
+        is_root, even = self.rank == root, sizes is None
+        if not even:
             self._axis0(xh, "gather")
-            if xh.shape[0] != sizes[rank]:
-                raise invalid("x.shape", xh.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-        trail = xh.shape[1:]
-        counts, displs, _ = self._layout(sizes, trail, "gather")
-        oshape = (sum(sizes),) + trail
+        counts, displs, oshape = gather_layout(xh.shape, sizes, self.size, self.rank)
         slot = self._slot_v(counts, displs, dtype.itemsize)
         if is_root:
             self._check_role(x, out, xh, oshape, "gather gives the root axis 0 of all ranks' parts", slot)
@@ -267,46 +307,13 @@ class SizedCalls(HostSteps):
     def _prepare_scatter(self, x, out, arg, async_op, stream):
         root, sizes, _ = arg
         root = self._root(root)
-        n, rank, comm = self.size, self.rank, self.comm
-        is_root = rank == root
-        if not is_root:   # the front made sure there is an out= (given, or made from the root's facts);
-            # x is out there (not read)
-            h, _ = to_host(out, "out")
-            o, wb = host_out(out, h.shape, h.dtype, None, "out")
-            self._axis0(o, "scatter", "out.shape")
-            if sizes is not None and o.shape[0] != sizes[rank]:
-                raise invalid("out.shape", o.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-            dt, oshape, odtype = of_numpy(o.dtype, "out").mpi, o.shape, o.dtype
-            what = ("scatter", oshape, odtype)
-            even = sizes is None
-
-            def run(x, out):
-                if out.__class__ is np.ndarray and out.flags.carray and out.dtype is odtype \
-                        and out.shape == oshape and not async_op:
-                    comm.Scatter(None, [out, dt], root) if even else comm.Scatterv(None, [out, dt], root)
-                    return out
-                o, wb = host_out(out, oshape, odtype, None, "out")
-                rb = [o, dt]
-                post = (lambda: wb(o)) if wb is not None else None
-                res = self._start(lambda: comm.Scatter(None, rb, root) if even else comm.Scatterv(None, rb, root),
-                                  lambda: comm.Iscatter(None, rb, root) if even else comm.Iscatterv(None, rb, root),
-                                  async_op, out, post, (o,), what)
-                return res
-            return Prepared(SCATTER, x, out, arg, async_op, stream, run)
+        if self.rank != root:
+            return self._prepare_scatter_part(x, out, arg, async_op, stream, root)
         xh, _ = as_host(x)
         self._axis0(xh, "scatter")
         row = of_numpy(xh.dtype)
-        dt, dtype, d0, trail = row.mpi, xh.dtype, xh.shape[0], xh.shape[1:]
-        even = sizes is None
-        if even:
-            if d0 % n:
-                raise invalid("x.shape", xh.shape, f"a first axis divisible by the group size {n} on the root, "
-                              "or sizes (scatter gives rank i part i of axis 0)")
-            sizes = (d0 // n,) * n
-        elif sum(sizes) != d0:
-            raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {d0}")
-        counts, displs, _ = self._layout(sizes, trail, "scatter")
-        oshape = (sizes[rank],) + trail
+        comm, dt, dtype, even = self.comm, row.mpi, xh.dtype, sizes is None
+        counts, displs, oshape = scatter_layout(xh.shape, sizes, self.size, self.rank)
         slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
         self._check_role(x, out, xh, oshape, "scatter gives each rank its part of axis 0", slot)
         role = role_of(x, out)
@@ -325,4 +332,31 @@ class SizedCalls(HostSteps):
         call = (lambda x, o: comm.Scatter([x, dt], [o, dt], root)) if even else \
             (lambda x, o: comm.Scatterv([x, sspec, dt], [o, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any)
+        return Prepared(SCATTER, x, out, arg, async_op, stream, run)
+
+    def _prepare_scatter_part(self, x, out, arg, async_op, stream, root):
+        """scatter away from the root: the front made sure there is an out= (given, or made from
+        the root's facts); x is out there (not read)."""
+        sizes, rank, comm = arg[1], self.rank, self.comm
+        h, _ = to_host(out, "out")
+        o, wb = host_out(out, h.shape, h.dtype, None, "out")
+        self._axis0(o, "scatter", "out.shape")
+        if sizes is not None and o.shape[0] != sizes[rank]:
+            raise invalid("out.shape", o.shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
+        dt, oshape, odtype = of_numpy(o.dtype, "out").mpi, o.shape, o.dtype
+        what = ("scatter", oshape, odtype)
+        even = sizes is None
+
+        def run(x, out):
+            if out.__class__ is np.ndarray and out.flags.carray and out.dtype is odtype \
+                    and out.shape == oshape and not async_op:
+                comm.Scatter(None, [out, dt], root) if even else comm.Scatterv(None, [out, dt], root)
+                return out
+            o, wb = host_out(out, oshape, odtype, None, "out")
+            rb = [o, dt]
+            post = (lambda: wb(o)) if wb is not None else None
+            res = self._start(lambda: comm.Scatter(None, rb, root) if even else comm.Scatterv(None, rb, root),
+                              lambda: comm.Iscatter(None, rb, root) if even else comm.Iscatterv(None, rb, root),
+                              async_op, out, post, (o,), what)
+            return res
         return Prepared(SCATTER, x, out, arg, async_op, stream, run)
