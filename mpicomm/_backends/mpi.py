@@ -88,10 +88,10 @@ class MPITransport(SizedCalls, PointToPoint):
         check_op_dtype(op, row)
         self._check_role(x, out, xh, xh.shape, "all_reduce keeps the shape")
         role = role_of(x, out)
-        run_any = self._all_reduce_any(xh, row, op, role, async_op)
+        run = run_any = self._all_reduce_any(xh, row, op, role, async_op)
         if x.__class__ is np.ndarray and not row.upcast and xh.size <= MAX_COUNT and not async_op:
-            run_any = self._all_reduce_plain(xh, row, op, role, run_any)
-        return Prepared(ALL_REDUCE, x, out, op, async_op, stream, run_any)
+            run = self._all_reduce_plain(xh, row, op, role, run_any)
+        return Prepared(ALL_REDUCE, x, out, op, async_op, stream, run)
 
     def _all_reduce_plain(self, xh, row, op, role, run_any):
         """The run of a NumPy input whose arrays need no copy, the common case written out.
