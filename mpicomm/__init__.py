@@ -3,10 +3,10 @@
 This module defines the public API. Importing it does not initialise MPI, touch a
 GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 """
-from ._collectives import (AllGather, AllReduce, AlltoAll, Broadcast, ReduceScatter, all_gather,
-                          all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter, send)
-from ._collectives import (AllGatherV, P2POp, ReduceScatterV, batch, batch_isend_irecv, gather, scatter,
-                           sendrecv)
+from ._collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter,
+                           send)
+from ._collectives import P2POp, batch, batch_isend_irecv, gather, scatter, sendrecv
+from ._operators import AllGather, AllGatherV, AllReduce, AlltoAll, Broadcast, ReduceScatter, ReduceScatterV
 from ._backends.base import Work
 from ._objects import (all_gather_object, broadcast_object, gather_object, recv_object, scatter_object,
                        send_object)

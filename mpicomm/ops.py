@@ -9,7 +9,7 @@ MindSpore's does (``AlltoAll(group)`` alone splits and joins axis 0);
 ``ops.AllGatherV(group)(x, output_split_sizes)`` and ``ops.ReduceScatterV(op, group)(x,
 input_split_sizes)`` take per-rank sizes.
 """
-from ._collectives import AllGather, AllGatherV, AllReduce, AlltoAll, Broadcast, ReduceScatter, ReduceScatterV
+from ._operators import AllGather, AllGatherV, AllReduce, AlltoAll, Broadcast, ReduceScatter, ReduceScatterV
 from ._ops import ReduceOp
 
 __all__ = ["AllReduce", "AllGather", "AllGatherV", "ReduceScatter", "ReduceScatterV", "Broadcast", "AlltoAll",

@@ -16,19 +16,26 @@ import sys
 import threading
 import time
 
-from .._ops import NAMES, RECV
+from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
 from . import agreement as agr
-from .progress import (DONE, DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, RAISED, READ_WAIT,
-                       ROWS, SPECSEQ, TDONE, XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
+from .cross_host import CrossHostCheck
+from .diagnosis import Diagnosis, describe_array
+from .progress import (DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, ROWS, SPECSEQ, TDONE,
+                       XSTATUS, F, ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
 EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a peer has exited
 
 
-class Watchdog:
+class Watchdog(Diagnosis, CrossHostCheck):
+    """The watchdog thread of one process: its polling loop, the agreement check of waiting
+    calls, the GPU events, and the report that ends the job. The report texts are
+    Diagnosis's (mpicomm._reliability.diagnosis), the comparison across hosts
+    CrossHostCheck's (mpicomm._reliability.cross_host)."""
+
     def __init__(self, progress, groups, timeout, world, device_id=None, flight=None):
         self.progress = progress
         self.groups = groups           # () -> the live groups (each with .transport and .disp)
@@ -225,103 +232,6 @@ class Watchdog:
                f"differently: " + "; ".join(calls))
         return self._fire_mismatch(g, seq, why, waited)
 
-    def final_check(self):
-        """At exit: the last comparison across hosts (a job whose last calls differ between
-        hosts must not end with status 0): reads started now, waited for at most
-        XHOST_GIVE_UP s."""
-        if self.fired:
-            return
-        reads = {}   # (not the watchdog thread's: it may still be running)
-        try:
-            self._cross_hosts(time.monotonic(), final=True, reads=reads)   # starts the reads
-            t0 = time.monotonic()
-            while reads and not self.fired:
-                time.sleep(0.01)
-                self._cross_hosts(time.monotonic(), final=True, reads=reads, start=False,
-                                  give_up=time.monotonic() - t0 > agr.XHOST_GIVE_UP)
-        except Exception:
-            pass
-
-    def _cross_hosts(self, now, final=False, reads=None, give_up=False, start=True):
-        """Across hosts (no host neighbour compares those calls): for each group where this
-        rank is its host's first member, compare the group's history (every call so far,
-        hashed) with the next host's first member's (agreement.cross_host; two RMA reads per
-        group a round, at most XHOST_GROUPS groups a round). A difference still there a round
-        later is calls that returned different results on the two hosts: the job ends naming
-        them. True when it fired."""
-        todo = [(g, b, g.disp) for g, b in list(self.progress.rows.items())
-                if getattr(g, "disp", None) is not None and g.disp.xhost is not None and g.disp.check]
-        if len(todo) > agr.XHOST_GROUPS:   # in turns
-            self._xturn = (self._xturn + agr.XHOST_GROUPS) % len(todo)
-            todo = (todo[self._xturn:] + todo[:self._xturn])[:agr.XHOST_GROUPS]
-        if reads is None:
-            reads = self._xread
-        for g, b, disp in todo:
-            pend = reads.get(b)
-            if pend is None or pend[0] != disp.xhost:   # start the reads; compared at a later wake
-                if start:
-                    started = agr.cross_host_start(self.progress, disp)
-                    if started is not None:
-                        reads[b] = (disp.xhost, started, now)
-                continue
-            _, (r1, r2), t0 = pend
-            late = give_up or now - t0 > agr.XHOST_GIVE_UP
-            row, theirs = self.progress.done_read(r1, late), self.progress.done_read(r2, late)
-            if row is None or theirs is None:
-                if late:
-                    del reads[b]
-                continue
-            del reads[b]
-            found = agr.cross_host(self.progress, disp, b, row, theirs)
-            if found is None:
-                self._xseen.pop(b, None)
-                self._xspec.pop(b, None)
-                continue
-            first = found[0]
-            if self._xseen.get(b, (None,))[0] != first:
-                self._xseen[b] = (first, now)
-                sp = disp.spec_for(first)
-                self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
-                if sp is not None:    # for the other host's report
-                    agr.publish_spec(self.progress.m, b, first, sp)
-            if now - self._xseen[b][1] < agr.XHOST_PERIOD and not final:
-                continue   # a member's report may still be on its way
-            return self._fire_cross(g, b, disp, *found)
-        return False
-
-    def _fire_cross(self, g, b, disp, first, mine_w, theirs_w):
-        from .._callspec import PeerSpec
-
-        with self._lock:
-            if self.fired:
-                return True
-            self.fired = True
-        j, wr, slot = disp.xhost
-        me = self.progress.wrank
-        me_spec = self._xspec.get(b) or disp.spec_for(first)
-        if me_spec is not None:
-            agr.publish_spec(self.progress.m, b, first, me_spec)
-        sw = None   # the other host's first member describes its call too (its watchdog)
-        for _ in range(int(agr.XHOST_PERIOD * 2 / 0.1)):
-            row = self.progress.read_words(wr, slot, F)
-            sw = agr.spec_words(row, first) if row is not None else None
-            if sw is not None or row is None:
-                break
-            time.sleep(0.1)
-        mine = me_spec.describe() if me_spec is not None else f"signature {mine_w & 0xFFFFFFFF:#010x}"
-        other = PeerSpec(sw).describe(me_spec) if sw is not None else \
-            f"another call (signature {theirs_w & 0xFFFFFFFF:#010x})"
-        what = f"; differs in {me_spec.diff(PeerSpec(sw))}" if sw is not None and me_spec is not None else ""
-        name = me_spec.name if me_spec is not None else "call"
-        why = (f"{name} sequence {first} on group {g.name!r}: the ranks on two hosts called differently: "
-               f"rank {me}: {mine}; rank {wr}: {other}{what}")
-        msg = (f"rank {me}: {why}. The calls returned on both hosts, so their results differ between "
-               "them; every rank must make the same call (collective, dtype, element count, op, root, "
-               "sizes). The job ends: ranks on different hosts are compared after their calls")
-        self.lagging = []
-        self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
-        return True
-
     def _fire_mismatch(self, g, seq, why, waited):
         with self._lock:
             if self.fired:
@@ -464,176 +374,11 @@ class Watchdog:
         g = next((g for g in self.groups() if ghash(g.name) == gh), self.world)
         d = getattr(g, "disp", None)
         wh = getattr(d, "p2p_what", None)
-        desc = _desc(wh[0], wh[1]) if wh else "?"
+        desc = describe_array(wh[0], wh[1]) if wh else "?"
         ev = getattr(d, "p2p_ev", None)
         msg = self.diagnose_p2p(g, code, peer, tag, desc, waited, early=early,
                                 gpu=ev is not None and ev[0] == word)
         self._report(msg, early, [peer])
-
-    def diagnose_p2p(self, g, code, peer, tag, desc, waited, limit=None, early=False, gpu=False):
-        """The report of a send or recv: where its peer (world rank ``peer``) is."""
-        limit = self.timeout if limit is None else limit
-        p = self.progress
-        me = p.wrank
-        st = p.read_peers([peer]).get(peer)
-        other = "send" if code == RECV else "recv"
-        to = f"from rank {peer}" if code == RECV else f"to rank {peer}"
-        gr = g.ranks.index(peer) if peer in g.ranks else None
-        where = f"rank {peer}" if g is self.world or gr is None else f"rank {peer} (rank {gr} of the group)"
-        self.lagging = []
-        if st is None:
-            line = f"state unknown (no answer within {READ_WAIT:g} s: the process may have died)"
-            part = f"rank {peer} did not answer"
-        elif st[EXITED]:
-            line = f"has left its script ({_how(st)}) without a matching {other}"
-            part = f"rank {peer} has left the script ({_how(st)}) without the matching {other}"
-        else:
-            pw = int(st[P2P])
-            if pw:
-                pcode, ppeer = p2p_fields(pw)
-                ptag, pgh = int(st[P2P_TAG]), int(st[P2P_GH])
-                pname = p.names.get(pgh, f"#{pgh}")
-                pto = f"from rank {ppeer}" if pcode == RECV else f"to rank {ppeer}"
-                if ppeer == me and pcode != code and pgh == ghash(g.name):
-                    if ptag != tag:
-                        line = f"in {NAMES.get(pcode, '?')} {pto} with tag {ptag}, not {tag}"
-                        part = f"rank {peer} is in the matching {other} with another tag: the tags differ"
-                    else:
-                        line = f"in the matching {other} {pto} (tag {ptag})"
-                        part = (f"rank {peer} is in the matching {other}: it is stuck in the transport "
-                                "(network, or the two disagree on the size or dtype)")
-                else:
-                    line = f"in {NAMES.get(pcode, '?')} {pto} (tag {ptag}) on group {pname!r}, not {other} to rank {me}"
-                    part = f"rank {peer} is in another send or recv, not the matching {other}"
-                    self.lagging = [peer]
-            else:
-                line = "not in a send or recv; " + _now_at(st, p.names)
-                part = f"rank {peer} has not reached the matching {other}"
-                self.lagging = [peer]
-        what = f"{NAMES.get(code, '?')} {to} (tag {tag}, {desc}) on group {g.name!r}"
-        if early:
-            head = f"rank {me}: {what} cannot complete (waited {waited:.1f} s). "
-        else:
-            head = (f"rank {me}: {what} did not complete within {limit:g} s (waited {waited:.1f} s)"
-                    + (" on the GPU" if gpu else "") + ". ")
-        tail = f"  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)"
-        return head + part[0].upper() + part[1:] + ":\n" + f"  {where}: {line}\n" + tail
-
-    # ------------------------------------------------------------ diagnosis
-    def diagnose(self, g, seq, name, desc, waited, gpu=False, limit=None, early=False):
-        """The timeout message: what is pending here, and where every other rank of ``g`` is."""
-        limit = self.timeout if limit is None else limit
-        gh = ghash(g.name)
-        code = next((c for c, nm in NAMES.items() if nm == name), 0)
-        p = self.progress
-        states = p.read_peers(list(g.ranks))
-        if self.flight is not None:   # the record written with this report says where the peers were
-            self.flight.peers = states
-        nowms = int(time.time() * 1000)
-        missing, lines, other, raised, exited, how, apart = [], [], [], [], [], [], []
-        creating = name == "create_group"
-        mh = members_hash(g.ranks)
-        for gr, wr in enumerate(g.ranks):
-            if wr == p.wrank:
-                continue
-            st = states.get(wr)
-            where = f"rank {wr}" if g is self.world else f"rank {wr} (rank {gr} of the group)"
-            if st is None:
-                missing.append(wr)
-                lines.append(f"  {where}: state unknown (no answer within {READ_WAIT:g} s: "
-                             "the process may have died)")
-                continue
-            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
-            mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
-            word = int(mine[0][ENTERED]) if mine else 0
-            entered = word >> 4
-            if st[EXITED] and entered < seq:
-                exited.append(wr)
-                missing.append(wr)
-                last = (f"its last call was {NAMES.get(word & 15, '?')} sequence {entered}" if mine
-                        else f"it made no call on group {g.name!r}")
-                lines.append(f"  {where}: has left its script ({_how(st)}) without reaching this "
-                             f"call; {last}")
-                how.append(_how(st))
-                continue
-            if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
-                raised.append(wr)
-                missing.append(wr)
-                lines.append(f"  {where}: raised an error in its {NAMES.get(int(mine[0][RAISED]) & 15, '?')} "
-                             f"sequence {seq} on group {g.name!r} and did not take part (a check of its "
-                             "arguments failed there); now "
-                             + (f"in {NAMES.get(word & 15, '?')} sequence {entered}"
-                                if mine[0][ENTERED] != mine[0][DONE] else f"past it, at sequence {entered}"))
-                continue
-            if mine and int(mine[0][MEMBERS]) != mh:   # the same name, other members
-                apart.append(wr)
-                missing.append(wr)
-                lines.append(f"  {where}: in {NAMES.get(word & 15, '?')} sequence {entered} on group "
-                             f"{g.name!r} made of other ranks than this rank's {list(g.ranks)}")
-                continue
-            if entered == seq and word & 15 != code:   # the same sequence, another collective
-                other.append(wr)
-                lines.append(f"  {where}: in {NAMES.get(word & 15, '?')} sequence {seq} on group {g.name!r}, "
-                             f"not {name}")
-                continue
-            if entered >= seq:
-                continue
-            missing.append(wr)
-            if mine:
-                r = mine[0]
-                last = (f"last call {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {entered} "
-                        f"on group {g.name!r}")
-                if r[DONE] == r[ENTERED] and r[TDONE]:
-                    last += f", finished {max(0, nowms - int(r[TDONE])) / 1000:.1f} s ago"
-            else:
-                last = f"no collective on group {g.name!r} yet"
-            inside = [r for r in rows if r[ENTERED] != r[DONE] and r[GHASH]]
-            if inside:
-                r = inside[0]
-                gname = p.names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
-                cname = NAMES.get(int(r[ENTERED]) & 15, '?')
-                now = f"inside {cname} sequence {int(r[ENTERED]) >> 4} on group {gname!r}"
-                if creating and cname == "create_group" and int(r[GHASH]) != gh:
-                    apart.append(wr)
-                    now += " (a group of another name)"
-            else:
-                now = "not in a collective"
-            lines.append(f"  {where}: {last}; {now}")
-        what = f"{name} sequence {seq} on group {g.name!r} ({desc})"
-        if early:
-            head = f"rank {p.wrank}: {what} cannot complete (waited {waited:.1f} s). "
-        else:
-            head = (f"rank {p.wrank}: {what} did not complete within {limit:g} s "
-                    f"(waited {waited:.1f} s)" + (" on the GPU" if gpu else "") + ". ")
-        def ranks(rs, one, many, of=""):
-            return (f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}{of} "
-                    f"{many if len(rs) > 1 else one}")
-
-        rest = [r for r in missing if r not in raised and r not in exited and r not in apart]
-        parts = []
-        self.lagging = rest + other
-        if apart:
-            parts.append(ranks(apart, "is", "are") + " creating this group with another name or other "
-                         "rank_ids: every member must pass create_group the same name and rank_ids")
-        if exited:
-            parts.append(ranks(exited, "has", "have") + f" left the script ({', '.join(how)}) without "
-                         "reaching this call")
-        if other:
-            parts.append(ranks(other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
-                         "called different collectives")
-        if raised:
-            parts.append(ranks(raised, "has", "have") + " raised an error in this call and did not take part")
-        if rest:
-            parts.append(ranks(rest, "has", "have", f" of {len(g.ranks)}") + " not reached this call")
-        if parts:
-            text = "; ".join(parts)
-            head += text[0].upper() + text[1:] + ":\n"
-        else:
-            head += ("Every rank of the group has reached this call: it is stuck in the transport "
-                     "(network, a GPU kernel, or ranks that disagree on the arguments: try MPICOMM_DEBUG=1).\n")
-        tail = (f"  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s; "
-                f"sequence numbers count the collectives on a group from 1)")
-        return head + "\n".join(lines) + ("\n" if lines else "") + tail
 
     def work_departed(self, what, waited):
         """Work.wait's periodic check: when a rank its call waits for has left its script,
@@ -642,7 +387,7 @@ class Watchdog:
         if len(what) < 5 or self.fired:
             return
         name, shape, dtype = what[:3]
-        desc = _desc(shape, dtype)
+        desc = describe_array(shape, dtype)
         if isinstance(what[4], tuple):   # a send or recv: ("p2p", code, world peer, tag)
             _, code, peer, tag = what[4]
             if peer < 0 or not self._exited([peer]):
@@ -690,35 +435,6 @@ class Watchdog:
         if f is None or not f.size:
             return ""
         return f.report_line(reason, rank_prefix())
-
-
-def _desc(shape, dtype):
-    return f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
-
-
-def _how(st):
-    """How a rank left, from its window: its exit status where known."""
-    x = int(st[XSTATUS])
-    if x:
-        return f"exit status {x - 1}"
-    return "it returned, or exited without sys.exit: status unknown"
-
-
-def _now_at(st, names):
-    """Where a rank is in its collectives, from its window: its group rows."""
-    rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
-    inside = [r for r in rows if r[ENTERED] != r[DONE] and r[GHASH]]
-    if inside:
-        r = inside[0]
-        gname = names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
-        return f"inside {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence {int(r[ENTERED]) >> 4} on group {gname!r}"
-    done = [r for r in rows if r[GHASH] and r[ENTERED]]
-    if done:
-        r = max(done, key=lambda r: int(r[TDONE]))
-        gname = names.get(int(r[GHASH]), f"#{int(r[GHASH])}")
-        return (f"not in a collective (last: {NAMES.get(int(r[ENTERED]) & 15, '?')} sequence "
-                f"{int(r[ENTERED]) >> 4} on group {gname!r})")
-    return "not in a collective"
 
 
 class InitGuard:

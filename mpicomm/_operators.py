@@ -1,0 +1,161 @@
+"""MindSpore-style operators (``mpicomm.ops``): objects made once with the group and op,
+then called with the array, as ``mindspore.ops`` has them. Each calls the collective of
+the same name in mpicomm._collectives.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
+from ._ops import ReduceOp, as_op
+from ._state import get_group
+from ._typing import ArrayLike
+from .errors import invalid
+
+
+class _Op:
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class AllReduce(_Op):
+    """``AllReduce(op=ReduceOp.SUM, group=None)(x)`` runs :func:`all_reduce`."""
+
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
+        self.op = as_op(op)
+        self.group = group
+
+    def __call__(self, x: ArrayLike) -> Any:
+        return all_reduce(x, self.op, group=self.group)
+
+
+class AllGather(_Op):
+    """``AllGather(group=None)(x)`` runs :func:`all_gather`."""
+
+    def __init__(self, group: str | None = None) -> None:
+        self.group = group
+
+    def __call__(self, x: ArrayLike) -> Any:
+        return all_gather(x, group=self.group)
+
+
+class ReduceScatter(_Op):
+    """``ReduceScatter(op=ReduceOp.SUM, group=None)(x)`` runs :func:`reduce_scatter`."""
+
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
+        self.op = as_op(op)
+        self.group = group
+
+    def __call__(self, x: ArrayLike) -> Any:
+        return reduce_scatter(x, self.op, group=self.group)
+
+
+class Broadcast(_Op):
+    """``Broadcast(root=0, group=None)(x)``: broadcasts ``x`` in place, or each array of a
+    tuple/list (as MindSpore's Broadcast does), returning what it was given."""
+
+    def __init__(self, root: int = 0, group: str | None = None) -> None:
+        self.root = root
+        self.group = group
+
+    def __call__(self, x: ArrayLike) -> Any:
+        if isinstance(x, (tuple, list)):
+            return type(x)(broadcast(a, self.root, group=self.group) for a in x)
+        return broadcast(x, self.root, group=self.group)
+
+
+class AlltoAll(_Op):
+    """``AlltoAll(group=None)(x)`` runs :func:`all_to_all` (splits and joins axis 0).
+
+    MindSpore's form ``AlltoAll(split_count, split_dim, concat_dim, group=None)(x)`` splits
+    x into ``split_count`` (the group size) equal parts along ``split_dim``, sends part j to
+    rank j, and concatenates the parts received (rank i's first) along ``concat_dim``.
+    """
+
+    def __init__(self, split_count: int | str | None = None, split_dim: int = 0, concat_dim: int = 0,
+                 group: str | None = None) -> None:
+        if isinstance(split_count, str) and group is None:   # AlltoAll("group name"): the old form
+            split_count, group = None, split_count
+        if split_count is not None and (not isinstance(split_count, (int, np.integer))
+                                        or isinstance(split_count, bool) or split_count < 1):
+            raise invalid("split_count", split_count, "a positive int: the group size")
+        for name, v in (("split_dim", split_dim), ("concat_dim", concat_dim)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise invalid(name, v, "an int (an axis of x)")
+        self.split_count = split_count
+        self.split_dim = int(split_dim)
+        self.concat_dim = int(concat_dim)
+        self.group = group
+
+    def __call__(self, x: ArrayLike) -> Any:
+        if self.split_count is None or (self.split_dim == 0 and self.concat_dim == 0):
+            if self.split_count is not None:
+                _check_split_count(self.split_count, self.group)
+            return all_to_all(x, group=self.group)
+        n = _check_split_count(self.split_count, self.group)
+        xp = _ArrayNS(x)
+        nd = len(x.shape)
+        sd, cd = self.split_dim, self.concat_dim
+        for name, d in (("split_dim", sd), ("concat_dim", cd)):
+            if not -nd <= d < nd:
+                raise invalid(name, d, f"an axis of x, in {-nd}..{nd - 1} (x has shape {tuple(x.shape)})")
+        sd, cd = sd % nd, cd % nd
+        if x.shape[sd] % n:
+            raise invalid("x.shape", tuple(x.shape), f"axis split_dim={sd} divisible by split_count={n}")
+        # part j along split_dim becomes block j of axis 0, sent to rank j
+        y = all_to_all(xp.contiguous(xp.moveaxis(x, sd, 0)), group=self.group)
+        k = x.shape[sd] // n
+        parts = [xp.moveaxis(y[j * k:(j + 1) * k], 0, sd) for j in range(n)]
+        return xp.concat(parts, cd)
+
+
+def _check_split_count(split_count, group):
+    n = get_group(group).size
+    if split_count != n:
+        raise invalid("split_count", split_count, f"the group size {n} (MindSpore's AlltoAll sends one part "
+                      "to each rank)")
+    return n
+
+
+class _ArrayNS:
+    """moveaxis / concatenate / contiguous for NumPy, CuPy and PyTorch arrays."""
+
+    def __init__(self, x):
+        mod = type(x).__module__.split(".")[0]
+        if mod == "torch":
+            import torch
+
+            self.moveaxis, self.contiguous = torch.movedim, (lambda a: a.contiguous())
+            self.concat = lambda parts, d: torch.cat(parts, d)
+        else:
+            xp = np
+            if mod == "cupy":
+                import cupy as xp
+            self.moveaxis, self.contiguous = xp.moveaxis, xp.ascontiguousarray
+            self.concat = lambda parts, d: xp.concatenate(parts, d)
+
+
+class AllGatherV(_Op):
+    """MindSpore's ``AllGatherV(group=None)(x, output_split_sizes)``: all_gather of 1-D arrays
+    whose lengths differ; ``output_split_sizes`` is every rank's length (or ``"auto"``)."""
+
+    def __init__(self, group: str | None = None) -> None:
+        self.group = group
+
+    def __call__(self, x: ArrayLike, output_split_sizes: Sequence[int] | str) -> Any:
+        return all_gather(x, group=self.group, sizes=output_split_sizes)
+
+
+class ReduceScatterV(_Op):
+    """MindSpore's ``ReduceScatterV(op=ReduceOp.SUM, group=None)(x, input_split_sizes)``:
+    reduce_scatter where rank i gets ``input_split_sizes[i]`` elements of axis 0."""
+
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
+        self.op = as_op(op)
+        self.group = group
+
+    def __call__(self, x: ArrayLike, input_split_sizes: Sequence[int]) -> Any:
+        return reduce_scatter(x, self.op, group=self.group, sizes=input_split_sizes)

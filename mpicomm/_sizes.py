@@ -1,0 +1,252 @@
+"""The checks made before a collective reaches its group's dispatcher, and per-rank sizes.
+
+``early`` runs one such check and publishes a refusal as the group's next call, so that
+the members whose arguments passed do not wait in it. ``sized`` and ``splits`` make the
+Sized arg of the calls with per-rank sizes (gather, scatter, all_gather and
+reduce_scatter with ``sizes=``, all_to_all with ``in_splits``/``out_splits``): explicit
+sizes are checked here; ``"auto"`` (and every call in debug mode) exchanges each rank's
+call descriptor first and raises CollectiveMismatchError on every rank where they differ.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ._ops import ALL_TO_ALL, GATHER, NAMES, REDUCE_SCATTER, SCATTER, ReduceOp, Sized
+from ._state import CTX
+from .errors import CollectiveMismatchError, invalid
+
+
+def raise_(e):
+    raise e
+
+
+def early(g, code, fn, *args):
+    """``fn(*args)``, a check of collective ``code``'s arguments before the group's
+    dispatcher sees the call; when it raises, the refusal is published as the group's next
+    call (mpicomm._reliability.agreement), so that members whose arguments passed do not
+    wait in it, then raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        d = g.disp
+        if d is not None and d.check and g.size > 1:
+            d.refuse_early(code, e)   # raises e
+        raise
+
+
+def root_of(g, root):
+    if isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= root < g.size:
+        return int(root)
+    raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
+
+
+_CHECKED: set[Any] = set()   # (group size, sizes, their types) found valid: a repeated call skips the checks
+
+
+def _check_sizes(g, sizes, arg="sizes"):
+    """``sizes`` as a tuple of ints, one non-negative int per rank of the group."""
+    n = g.size
+    if sizes.__class__ is list or sizes.__class__ is tuple:
+        t = tuple(sizes)
+        try:   # the types too: True == 1 and 1.0 == 1, but neither is a size
+            if (n, t, tuple(map(type, t))) in _CHECKED:
+                return t
+        except TypeError:   # an unhashable entry: refused below
+            pass
+    try:
+        t = tuple(sizes)
+    except TypeError:
+        t = None
+    if t is None or len(t) != n or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                           and v >= 0 for v in t):
+        raise invalid(arg, sizes, f"'auto' or a sequence of {n} non-negative ints (one axis-0 length per "
+                      f"rank of group {g.name!r})")
+    kinds = tuple(map(type, t))
+    if all(k is int for k in kinds):   # plain ints: what a hit returns as it is
+        if len(_CHECKED) > 1024:
+            _CHECKED.clear()
+        _CHECKED.add((n, t, kinds))
+    return tuple(int(v) for v in t)
+
+
+def sized(g, code, x, base, sizes):
+    """The Sized arg of a call: explicit sizes checked here; 'auto' (and every call in debug
+    mode) exchanged with each rank's call signature."""
+    if code in (GATHER, SCATTER):
+        base = root_of(g, base)
+    auto = isinstance(sizes, str)
+    if auto and sizes != "auto":
+        raise invalid("sizes", sizes, f"'auto' or a sequence of {g.size} non-negative ints")
+    if not auto and sizes is not None:
+        sizes = _check_sizes(g, sizes)
+    if not auto and not CTX.debug:
+        return Sized((base, sizes, None))
+    allv = _exchange(g, code, x, base, sizes)
+    if code == SCATTER:
+        return _scatter_facts(g, allv, base, sizes, auto)
+    if auto:
+        own = allv[:, _OWN]
+        if (own < 0).any():
+            bad = [r for r in range(g.size) if own[r] < 0]
+            raise invalid("x", "a 0-d array (no axis 0)", f"an array with an axis 0 on every rank "
+                          f"({NAMES[code]} with sizes='auto'; ranks {bad} gave none)")
+        sizes = tuple(int(v) for v in own)
+    return Sized((base, sizes, None))
+
+
+def splits(g, x, in_splits, out_splits):
+    """all_to_all's Sized arg (None, in_splits, out_splits)."""
+    n = g.size
+    if in_splits is not None:
+        in_splits = _check_sizes(g, in_splits, "in_splits")
+    auto = isinstance(out_splits, str)
+    if auto and out_splits != "auto":
+        raise invalid("out_splits", out_splits, f"'auto' or a sequence of {n} non-negative ints")
+    if not auto and out_splits is not None:
+        out_splits = _check_sizes(g, out_splits, "out_splits")
+    if not auto and not CTX.debug:
+        return Sized((None, in_splits, out_splits))
+    ins = in_splits
+    if ins is None:
+        d0 = _facts(x)[0]
+        ins = (d0[0] // n,) * n if d0 and d0[0] % n == 0 else (-1,) * n
+    allv = _exchange(g, ALL_TO_ALL, x, None, None, ins)   # in_splits differ between ranks
+    got = allv[:, _HDR + g.rank]
+    if auto:
+        if (allv[:, _HDR:] < 0).any():
+            bad = sorted({r for r in range(n) if (allv[r, _HDR:] < 0).any()})
+            raise invalid("x.shape", "an axis 0 that does not divide by the group size", f"in_splits, or an "
+                          f"axis 0 divisible by {n} on every rank (all_to_all; ranks {bad} gave neither)")
+        out_splits = tuple(int(v) for v in got)
+    return Sized((None, in_splits, out_splits))
+
+
+# the exchanged descriptor: collective, dtype, array kind, ndim, trailing shape (6 dims, or a
+# hash), op or root, own axis-0 length, a hash of the explicit sizes; then any per-rank values
+_DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64",
+           "complex64", "complex128", "bool", "int16", "uint16")
+_KINDS = ("a host array", "a CuPy/GPU array", "a PyTorch CPU tensor", "a PyTorch CUDA tensor")
+_OPS = tuple(ReduceOp)
+_OWN, _SZ, _HDR = 11, 12, 13
+
+
+def _facts(x):
+    """(shape, dtype name, kind index) of an array, or (None, None, -1) for None."""
+    if x is None:
+        return None, None, -1
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        kind = 3 if x.is_cuda else 2
+    elif mod == "cupy" or hasattr(x, "__cuda_array_interface__"):
+        kind = 1
+    else:
+        kind = 0
+    if shape is None or dtype is None:
+        try:
+            a = np.asarray(memoryview(x))
+            shape, dtype = a.shape, a.dtype
+        except TypeError:
+            raise invalid("x", type(x).__name__, "an array (NumPy, CuPy, PyTorch, or the buffer protocol)") from None
+    return tuple(int(s) for s in shape), str(dtype).replace("torch.", ""), kind
+
+
+def _exchange(g, code, x, base, sizes, extra=()):
+    """Allgather each rank's call descriptor; raise CollectiveMismatchError on every rank where
+    the collective, dtype, trailing shape, op/root or explicit sizes differ. Returns the table."""
+    from mpi4py import MPI
+
+    shape, dtype, kind = _facts(x)
+    v = np.full(_HDR + len(extra), -1, np.int64)
+    v[0] = code
+    if dtype is not None:
+        v[1] = _DTYPES.index(dtype) if dtype in _DTYPES else zlib.crc32(dtype.encode()) | 1 << 40
+        v[2] = kind
+        v[3] = len(shape)
+        trail = shape[1:]
+        if len(trail) <= 6:
+            v[4:4 + len(trail)] = trail
+        else:
+            v[4] = zlib.crc32(repr(trail).encode()) | 1 << 40
+        v[_OWN] = shape[0] if shape else -1
+    if base is not None:
+        v[10] = _OPS.index(base) if isinstance(base, ReduceOp) else base
+    v[_SZ] = zlib.crc32(repr(sizes).encode()) if sizes is not None else -1
+    v[_HDR:] = extra
+    allv = np.empty((g.size, len(v)), np.int64)
+    g.disp.watched(code, lambda: g.mpi_comm.Allgather([v, MPI.INT64_T], [allv, MPI.INT64_T]))
+    # scatter: only the root's x is known; ranks without an out= give no dtype (-1: any)
+    known = allv[:, 1] != -1
+    fields = {"collective": [0], "dtype": [1], "trailing shape": list(range(3, 10)), "op or root": [10],
+              "sizes": [_SZ]}
+    diff = []
+    for name, idx in fields.items():
+        rows = allv[:, idx] if name in ("collective", "op or root", "sizes") else allv[known][:, idx]
+        if len(rows) and (rows != rows[0]).any():
+            diff.append(name)
+    if diff:
+        lines = "\n".join(f"  rank {r} (world rank {g.ranks[r]}): {_describe(allv[r])}" for r in range(g.size))
+        raise CollectiveMismatchError(
+            f"{NAMES[code]} with per-rank sizes on group {g.name!r}: the ranks' calls differ in "
+            f"{', '.join(diff)}:\n{lines}\n  every rank must make the same call (same collective, dtype, "
+            "trailing shape, op or root, and sizes)")
+    return allv
+
+
+def _describe(d):
+    parts = [NAMES.get(int(d[0]), f"collective#{int(d[0])}")]
+    if d[1] != -1:
+        c = int(d[1])
+        parts.append(f"dtype={_DTYPES[c] if 0 <= c < len(_DTYPES) else '#%d' % c}")
+        nd = int(d[3])
+        if nd >= 1 and nd - 1 <= 6:
+            parts.append(f"trailing shape={tuple(int(s) for s in d[4:4 + nd - 1])}")
+        elif nd == 0:
+            parts.append("shape=()")
+    if d[10] != -1:
+        parts.append(f"op/root={int(d[10])}" if int(d[0]) not in (REDUCE_SCATTER,) else
+                     f"op={_OPS[int(d[10])].value}")
+    if d[_SZ] != -1:
+        parts.append("sizes given")
+    return " ".join(parts)
+
+
+def _scatter_facts(g, allv, root, sizes, auto):
+    """(root, sizes, out made from the root's facts or None) after scatter's exchange."""
+    r = allv[root]
+    if r[1] == -1 or r[3] < 1:
+        raise invalid("x", "no array with an axis 0 on the root", f"the array to scatter on the root {root}")
+    if not auto:
+        missing = [q for q in range(g.size) if q != root and allv[q, 1] == -1]
+        if missing:   # every rank knows it here: all raise, none waits in the scatter
+            raise invalid("out", None, f"an array of its part of the root's x on every rank but the root {root}, "
+                          f"or sizes='auto' on every rank (ranks {missing} gave no out=)")
+        return (root, sizes, None)
+    n, d0 = g.size, int(r[_OWN])
+    if d0 % n:
+        raise invalid("x.shape", f"axis 0 of {d0} on the root", f"a first axis divisible by the group size {n} "
+                      "(scatter with sizes='auto' gives each rank an equal part; pass sizes for unequal ones)")
+    c = int(r[1])
+    if not 0 <= c < len(_DTYPES) or r[3] - 1 > 6:
+        raise invalid("x", "the root's array", "a dtype and shape scatter can describe to the other ranks")
+    shape = (d0 // n,) + tuple(int(s) for s in r[4:4 + int(r[3]) - 1])
+    return (root, None, _alloc(int(r[2]), shape, _DTYPES[c]) if g.rank != root else None)
+
+
+def _alloc(kind, shape, dtype):
+    """A new array of ``kind`` (_KINDS) for scatter's received part on a non-root rank."""
+    if kind in (2, 3):
+        import torch
+
+        dev = f"cuda:{CTX.device_id}" if kind == 3 and CTX.device_id is not None else ("cuda" if kind == 3 else "cpu")
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+    if kind == 1:
+        import cupy
+
+        return cupy.empty(shape, dtype)
+    from ._dtypes import BFLOAT16
+
+    return np.empty(shape, BFLOAT16 if dtype == "bfloat16" else dtype)
