@@ -72,6 +72,16 @@ def _check_sizes(g, sizes, arg="sizes"):
     return tuple(int(v) for v in t)
 
 
+def _not_captured(arg):
+    """'auto' exchanges the sizes on the host, once: refused while a CUDA graph is being
+    captured (a replay would reuse the sizes of the capture)."""
+    from ._backends.capture import current_capturing
+
+    if current_capturing():
+        raise invalid(arg, "auto", "explicit sizes during a CUDA graph capture ('auto' exchanges them on the "
+                      "host once, at capture, and a replay would reuse them)")
+
+
 def sized(g, code, x, base, sizes):
     """The Sized arg of a call: explicit sizes checked here; 'auto' (and every call in debug
     mode) exchanged with each rank's call signature."""
@@ -84,6 +94,8 @@ def sized(g, code, x, base, sizes):
         sizes = _check_sizes(g, sizes)
     if not auto and not CTX.debug:
         return Sized((base, sizes, None))
+    if auto:
+        _not_captured("sizes")
     allv = _exchange(g, code, x, base, sizes)
     if code == SCATTER:
         return _scatter_facts(g, allv, base, sizes, auto)
@@ -109,6 +121,8 @@ def splits(g, x, in_splits, out_splits):
         out_splits = _check_sizes(g, out_splits, "out_splits")
     if not auto and not CTX.debug:
         return Sized((None, in_splits, out_splits))
+    if auto:
+        _not_captured("out_splits")
     ins = in_splits
     if ins is None:
         d0 = _facts(x)[0]

@@ -134,3 +134,31 @@ def test_host_array_in_a_capture_raises(nccl):
     # the group goes on
     hs = [np.random.default_rng([4, q]).standard_normal(4) for q in range(n)]
     np.testing.assert_allclose(mpicomm.all_reduce(hs[r]), np.sum(hs, axis=0), rtol=1e-12)
+
+
+def test_sizes_auto_in_a_capture_raises(nccl):
+    """sizes='auto' exchanges the sizes on the host once: refused during a capture; explicit
+    sizes are captured and replay."""
+    import cupy as cp
+
+    n, r = nccl
+    s = cp.cuda.Stream(non_blocking=True)
+    sizes = [q + 1 for q in range(n)]
+    x = cp.asarray(np.random.default_rng([5, r]).standard_normal((sizes[r], 2)).astype(np.float32))
+    with s:
+        mpicomm.all_gather(x, sizes=sizes)
+        s.synchronize()
+        s.begin_capture()
+        try:
+            with pytest.raises(mpicomm.InvalidArgumentError, match="capture"):
+                mpicomm.all_gather(x, sizes="auto")
+            res = mpicomm.all_gather(x, sizes=sizes)
+        finally:
+            g = s.end_capture()
+    for rep in range(1, 3):
+        p = [np.random.default_rng([5 + rep, q]).standard_normal((sizes[q], 2)).astype(np.float32) for q in range(n)]
+        x[...] = cp.asarray(p[r])
+        s.synchronize()
+        g.launch(stream=s)
+        s.synchronize()
+        np.testing.assert_allclose(cp.asnumpy(res), np.concatenate(p), rtol=1e-6)

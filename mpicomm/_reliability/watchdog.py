@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from .._backends.capture import relax_this_thread, stream_capturing
 from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
@@ -85,6 +86,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
                 cupy.cuda.runtime.setDevice(self.device_id)
             except Exception:
                 pass
+            relax_this_thread()   # its event queries never invalidate the script's CUDA-graph capture
         while not self._stop.wait(period):
             try:
                 self._tick(seen, done, events)
@@ -311,11 +313,18 @@ class Watchdog(Diagnosis, CrossHostCheck):
                 continue
             d = m[b + 1]
             ev = events.get(b)
-            if ev is None or (ev[0] != d and ev[1].done):
+            try:
+                finished = ev is not None and ev[1].done
+            except Exception:   # an event a capture took (recorded as its stream began one)
+                events.pop(b, None)
+                continue
+            if ev is None or (ev[0] != d and finished):
                 e = cupy.cuda.Event(block=False, disable_timing=True)
                 ptr = st if isinstance(st, int) else getattr(st, "ptr", None)
                 if ptr is None:
                     ptr = st.cuda_stream
+                if stream_capturing(ptr):   # (its calls run on replay, unseen by the watchdog)
+                    continue
                 try:
                     cupy.cuda.runtime.eventRecord(e.ptr, ptr)
                 except Exception:
@@ -323,9 +332,9 @@ class Watchdog(Diagnosis, CrossHostCheck):
                 events[b] = (d, e, now, t.last_what, g)
                 continue
             d0, e, t0, what, g0 = ev
-            if not e.done and now - t0 >= agr.WAIT_CHECK and self._disagreement(g0, b, d0 >> 4, now - t0):
+            if not finished and now - t0 >= agr.WAIT_CHECK and self._disagreement(g0, b, d0 >> 4, now - t0):
                 return
-            if not e.done and (now - t0 >= self.timeout
+            if not finished and (now - t0 >= self.timeout
                                or (now - t0 >= EXIT_CHECK and self._peer_exited(g0, d0 >> 4))):
                 desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
                 self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True,
