@@ -203,5 +203,14 @@ if want rows4; then  # the 4-GPU rows: agreement tests, per-call cost (CuPy, PyT
     step "bench-ddp-np$NGPU" 200 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_ddp.py --rounds 3 --json "$RES/bench_ddp_np$NGPU.json"
     grep -a -A8 "^# bench_ddp: $NGPU x" "$LOG" | tail -9 >>"$SUM"
 fi
+if want session; then  # a short device budget: every GPU test file, the agreement and reducer tests, graph replay
+    step "gpu-tests-np$NGPU" 230 "${MPI[@]}" "$NGPU" "${PYT[@]}" -rfE tests/test_gpu*.py tests/test_agreement.py \
+        tests/test_p2p_tags.py tests/test_fused_reducer.py tests/test_buckets.py
+    grep -a -E "^[0-9]+ (passed|failed)|^FAILED|^ERROR| failed" "$LOG" | tail -12 >>"$SUM"
+    for a in cupy torch; do
+        step "bench-capture-$a" 45 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_capture.py --array "$a" --rounds 20
+        grep -a -A5 "^# bench_capture: " "$LOG" | tail -6 >>"$SUM"
+    done
+fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"
