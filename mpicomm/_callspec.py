@@ -53,6 +53,11 @@ for _n in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64
     dtype_id(_n)
 
 
+def dtype_of_id(i):
+    """The dtype name that id ``i`` stands for (a common one, or one this process has seen), or None."""
+    return _DTYPES.get(i)
+
+
 _IDS_OF = {}                # dtype object -> its id (the hot paths' cache)
 
 

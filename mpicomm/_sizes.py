@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ._callspec import dtype_id, dtype_of_id
 from ._ops import ALL_TO_ALL, GATHER, NAMES, REDUCE_SCATTER, SCATTER, ReduceOp, Sized
 from ._state import CTX
 from .errors import CollectiveMismatchError, invalid
@@ -140,8 +141,6 @@ def splits(g, x, in_splits, out_splits):
 
 # the exchanged descriptor: collective, dtype, array kind, ndim, trailing shape (6 dims, or a
 # hash), op or root, own axis-0 length, a hash of the explicit sizes; then any per-rank values
-_DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64",
-           "complex64", "complex128", "bool", "int16", "uint16")
 _KINDS = ("a host array", "a CuPy/GPU array", "a PyTorch CPU tensor", "a PyTorch CUDA tensor")
 _OPS = tuple(ReduceOp)
 _OWN, _SZ, _HDR = 11, 12, 13
@@ -177,7 +176,7 @@ def _exchange(g, code, x, base, sizes, extra=()):
     v = np.full(_HDR + len(extra), -1, np.int64)
     v[0] = code
     if dtype is not None:
-        v[1] = _DTYPES.index(dtype) if dtype in _DTYPES else zlib.crc32(dtype.encode()) | 1 << 40
+        v[1] = dtype_id(dtype)   # (the CallSpec's dtype word: mpicomm._callspec)
         v[2] = kind
         v[3] = len(shape)
         trail = shape[1:]
@@ -214,7 +213,7 @@ def _describe(d):
     parts = [NAMES.get(int(d[0]), f"collective#{int(d[0])}")]
     if d[1] != -1:
         c = int(d[1])
-        parts.append(f"dtype={_DTYPES[c] if 0 <= c < len(_DTYPES) else '#%d' % c}")
+        parts.append(f"dtype={dtype_of_id(c) or '#%d' % c}")
         nd = int(d[3])
         if nd >= 1 and nd - 1 <= 6:
             parts.append(f"trailing shape={tuple(int(s) for s in d[4:4 + nd - 1])}")
@@ -243,11 +242,11 @@ def _scatter_facts(g, allv, root, sizes, auto):
     if d0 % n:
         raise invalid("x.shape", f"axis 0 of {d0} on the root", f"a first axis divisible by the group size {n} "
                       "(scatter with sizes='auto' gives each rank an equal part; pass sizes for unequal ones)")
-    c = int(r[1])
-    if not 0 <= c < len(_DTYPES) or r[3] - 1 > 6:
+    dt = dtype_of_id(int(r[1]))
+    if dt is None or r[3] - 1 > 6:
         raise invalid("x", "the root's array", "a dtype and shape scatter can describe to the other ranks")
     shape = (d0 // n,) + tuple(int(s) for s in r[4:4 + int(r[3]) - 1])
-    return (root, None, _alloc(int(r[2]), shape, _DTYPES[c]) if g.rank != root else None)
+    return (root, None, _alloc(int(r[2]), shape, dt) if g.rank != root else None)
 
 
 def _alloc(kind, shape, dtype):
