@@ -1,0 +1,380 @@
+"""The agreement check's slow paths of the dispatcher (mpicomm._dispatch): what a rank does
+when its call differs from a member's (``differs``, ``disagree``), when it refuses a call
+(``refuse``, ``refuse_early``, standing in for members that entered it), and when a member's
+report arrives before, during or after its own call (``poisoned``, ``told``,
+``poisoned_after``). They run only when a check fails or a report word is set; the hot
+path (``Dispatcher.call``) stays in mpicomm._dispatch. Protocol: docs/RELIABILITY.md,
+"Agreement check"; the words: mpicomm._reliability.agreement and .progress.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ._backends.base import NEVER
+from ._callspec import REFUSED, PeerSpec, plain_spec
+from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
+from ._reliability.progress import ENTERED, REPORTED
+from .errors import CollectiveMismatchError
+
+SPEC_WAIT = 2.0   # s a refusing rank waits for the specs of members that took part (stand-in)
+
+
+class AgreementPaths:
+    """Mixed into Dispatcher: the agreement check's slow paths (see the module docstring)."""
+
+    __slots__ = ()
+    def differs(self, seq, code, j, pw):
+        """Group rank ``j``'s ring word ``pw`` for call ``seq`` differs from this rank's."""
+        self.mem[self.row + 1] = seq << 4 | code
+        self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
+
+    def _me(self):
+        """'rank 3', or 'rank 3 (rank 1 of group 'g')' in a group that is not the world."""
+        g = self.group
+        wr = g.ranks[g.rank]
+        return f"rank {wr}" if g.name == "world" else f"rank {wr} (rank {g.rank} of group {g.name!r})"
+
+    def spec_for(self, seq):
+        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call)."""
+        fr = self.fr
+        if fr is not None:
+            e = fr[seq & self.fmask]
+            if e is not None and e[0] == seq:
+                return getattr(e[2], "spec", None) if e[2] is not None else plain_spec(e[1])
+        m, b = self.mem, self.row
+        e = m[b]
+        w = m[self.cb + (seq & 255)]
+        if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
+            ps = plain_spec(e & 15)
+            if ps.sig == w & 0xFFFFFFFF:       # a barrier, creating or destroying a group
+                return ps
+            p = self.last[e & 15]
+            if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
+                return getattr(p, "spec", None) or plain_spec(e & 15)
+        return None
+
+    def _members(self):
+        """{group rank: world rank} of the other members."""
+        g = self.group
+        return {j: wr for j, wr in enumerate(g.ranks) if j != g.rank}
+
+    def _tell(self, seq, text):
+        """Publish report ``text`` and POISON every other member's row with it."""
+        from ._reliability.agreement import poison_index, poison_word
+
+        rel = self.rel
+        rel.progress.set_reason(text)
+        me = self.group.ranks[self.group.rank]
+        if self.slots is None:
+            return
+        for j, wr in self._members().items():
+            rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
+
+    def _decision_wait(self):
+        """Seconds to wait for a reporter's final words and its decision on a fresh
+        communicator (on MPI the members must decide alike; NCCL only needs the words)."""
+        return SPEC_WAIT + 0.5 if hasattr(self.plain(), "nccl") else SPEC_WAIT + 2
+
+    def _answer(self, k):
+        """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
+        and decides from it whether the group needs a fresh communicator."""
+        from ._reliability.agreement import publish_spec
+
+        sp = self.spec_for(k)
+        if sp is not None:
+            publish_spec(self.mem, self.row, k, sp)
+
+    def _raised_here(self, seq):
+        """Call ``seq`` raised on this rank (also outside the agreement check's paths: a
+        transport's own error): a member's later report about it is not news here, and the
+        comparison across hosts passes over it (REPORTED)."""
+        if seq > self.raised:
+            self.raised = seq
+            self.mem[self.row - ENTERED + REPORTED] = seq
+
+    def _after(self, seq, entered):
+        """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
+        (MPI) when any rank entered it."""
+        from ._reliability.agreement import poison_word
+
+        self._raised_here(seq)   # (published: the comparison across hosts passes over it)
+        if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
+            self.resync = True
+            if not self.mem[self.row + 5]:   # (a member's report there brings the next call here too)
+                self.mem[self.row + 5] = poison_word(seq, self.group.ranks[self.group.rank])
+
+    def disagree(self, seq, code, peer, err):
+        """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
+        ``err``): raise CollectiveMismatchError naming both calls, and tell every member."""
+        from ._reliability.agreement import publish_spec, spec_words, wait_rows
+
+        g = self.group
+        mine = self.spec_for(seq)
+        name = NAMES.get(code, "?")
+        if mine is not None:
+            publish_spec(self.mem, self.row, seq, mine)
+        # tell first (the members' watchdogs then publish their calls of seq), describe after
+        self._tell(seq, f"{name} sequence {seq} on group {g.name!r}: the ranks called differently "
+                        f"({self._me()} found it)")
+        calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
+        # whether messages of the call may be left unmatched (then: a fresh communicator): where
+        # the peer's call could not be described, only MPI's own truncation error says so
+        fresh = err is not None
+        if peer is not None and self.slots is not None:
+            wr = g.ranks[peer]
+            rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
+                             lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
+                             timeout=SPEC_WAIT)
+            sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
+            other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
+            what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
+            calls.append(f"rank {wr}: {other}{what}")
+            if sw is not None and mine is not None:
+                fresh = not _same_bytes(mine, PeerSpec(sw))
+        elif err is not None:
+            calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
+        text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
+                + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
+                "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
+        self.rel.progress.set_reason(text)
+        self.rel.progress.set_decision(fresh)
+        self._after(seq, fresh)
+        raise CollectiveMismatchError(text)
+
+    def refuse(self, seq, code, e, reason, who=None):
+        """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
+        ``reason`` came first): publish the refusal, wait until every member has refused
+        or entered, stand in for the call where members wait inside it, then raise."""
+        from ._reliability.agreement import ring_word, spec_words, wait_rows
+
+        from ._callspec import REFUSED as _R
+
+        g = self.group
+        m, b = self.mem, self.row
+        name = NAMES.get(code, "?")
+        # the words first (a member that sees the refusal reads them at once), then the refusal
+        text = (f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
+                if e is not None else reason)
+        self.rel.progress.set_reason(text)
+        w = seq << 32 | _R
+        m[self.cb + (seq & 255)] = w
+        if self.shr is not None:
+            self.shr[self.shb + (seq & 7)] = w
+        if e is not None:
+            self._tell(seq, text)
+        members = self._members()
+        if self.slots is None:
+            self._after(seq, False)
+            m[b + 1] = m[b]
+            raise e if e is not None else CollectiveMismatchError(reason)
+        t0 = time.monotonic()
+
+        def decided(rows):
+            late = time.monotonic() - t0 > SPEC_WAIT
+            for j, row in rows.items():
+                if row is None:
+                    continue      # no answer: taken as gone
+                _, st = ring_word(row, seq)
+                if st == "behind":
+                    return False
+                if st in ("entered", "ahead") and spec_words(row, seq) is None and not late:
+                    return False   # it took part: its spec is needed for the stand-in
+            return True
+
+        rows = wait_rows(self.rel.progress, members, self.slots, decided)
+        states = {j: (ring_word(r, seq)[1] if r is not None else "gone") for j, r in rows.items()}
+        entered = [j for j, st in states.items() if st in ("entered", "ahead")]
+        specs = [spec_words(rows[j], seq) for j in entered]
+        specs = [PeerSpec(w) for w in specs if w is not None]
+        stood = False
+        try:
+            if specs and not specs[0].sized:
+                self._stand_in(code, specs[0])
+                stood = True
+        finally:
+            m[b + 1] = m[b]
+            self._after(seq, bool(entered) and not stood)
+            self.rel.progress.set_decision(bool(entered) and not stood)
+        if e is not None:
+            raise e
+        if who is not None:   # the reporter's final words (it may have been describing still)
+            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+            reason = text or reason
+        raise _peer_error(reason)
+
+    def refuse_early(self, code, e):
+        """Collective ``code`` refused by a check before the dispatcher (``e``): published as
+        this rank's next call of the group, refused."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        # the call counts first, whatever comes next: a member's report may land at any moment,
+        # and every rank's count of calls must stay alike
+        seq = self.seq = self.seq + 1
+        if self.resync:   # the fresh communicator due from an earlier call comes first
+            self.resync = False
+            self.rel.resync(self.group)
+        m[b] = seq << 4 | code
+        m[b + 3] = m[b]
+        word = m[b + 5]
+        if word:
+            k, who = poison_fields(word)
+            # this rank's own resync marker, a report about a call that raised here, or one
+            # about this very call (this rank refuses it too): no news. A report about an
+            # earlier call that returned here stays for the next call.
+            if (who == self.group.ranks[self.group.rank] or k <= self.raised or k == seq) and m[b + 5] == word:
+                m[b + 5] = 0
+        self.refuse(seq, code, e, None)
+
+    def _stand_in(self, code, spec):
+        """Take part in call ``code`` as ``spec`` describes it, with scratch arrays (the result
+        is dropped): the members waiting inside it complete."""
+        from ._reliability.agreement import dtype_of
+
+        if spec.sized or spec.code == 0:
+            return
+        t = self.plain()
+        if spec.code == BARRIER:
+            t.barrier(False)
+            return
+        if not spec.dtype:   # a call without arrays (creating or destroying a group): not
+            return           # one a rank can make in another's place
+        g = self.group
+        n, me = g.size, g.rank
+        dt = dtype_of(spec.dtype)
+        c = spec.count
+        code = spec.code
+        root = spec.root
+        gpu = hasattr(t, "nccl") and spec.gpu   # host arrays on NCCL go through MPI: stand in alike
+        if gpu:
+            import cupy as xp
+        else:
+            xp = np
+        arg = spec.op
+        if code == BROADCAST:
+            arg = root
+        elif code in (GATHER, SCATTER):
+            arg = Sized((root, None, None))
+        elif code == REDUCE:
+            arg = (spec.op, root)
+        count = c * n if (code == SCATTER and me == root) else c
+        x = xp.zeros(count, dt)
+        out = None
+        if code == SCATTER and me != root:
+            out = x
+        if arg.__class__ is Sized:
+            pc = t.prepare_sized(code, x, out, arg, False, None)
+        else:
+            pc = t.prepare(code, x, out, arg, False, None)
+        pc.run(x, out)
+        if gpu:
+            xp.cuda.get_current_stream().synchronize()
+
+    def poisoned(self, seq, code, call=None):
+        """Before call ``seq``: a member's report (POISON) or this rank's resync is due.
+        ``call``: the call's (x, out, arg, async_op, stream), checked here when the report is
+        about this very call, so that a rank whose own arguments are refused raises its own
+        error (ranks that all refuse alike each raise theirs)."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        if self.resync:   # first of all: the fresh communicator every member makes at its next call
+            self.resync = False
+            self.rel.resync(self.group)
+        word = m[b + 5]
+        k, who = poison_fields(word)
+        me = self.group.ranks[self.group.rank]
+        if who == me or k <= self.raised:
+            if m[b + 5] == word:
+                m[b + 5] = 0
+            return
+        if k > seq:      # a member is ahead: this rank refuses that call when it gets there
+            return
+        if m[b + 5] == word:
+            m[b + 5] = 0
+        if k == seq:     # before taking part: refuse it too
+            reason = self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
+            m[b] = seq << 4 | code
+            own = None
+            if call is not None:
+                x, out, arg, async_op, stream = call
+                try:
+                    if arg.__class__ is Sized:
+                        self.plain().prepare_sized(code, x, out, arg, async_op, stream)
+                    else:   # (without debug mode's exchange: the members are not in it)
+                        self.plain().prepare(code, x, out, arg, async_op, stream)
+                except Exception as e:   # this rank's own arguments are refused too
+                    own = e
+            m[b + 3] = m[b]
+            self.refuse(seq, code, own, reason, who)
+        # k < seq: this rank's call k is over (it returned before the report came): it
+        # raises the report now, refusing call seq, so that members already inside call
+        # seq are stood in for and raise too (every rank's count of calls stays alike)
+        self._answer(k)
+        m[b] = seq << 4 | code
+        m[b + 3] = m[b]
+        late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
+                f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]")
+        err = _peer_error((self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}")
+                          + late)
+        try:   # refused at once: members already inside call seq are stood in for without delay
+            self.refuse(seq, code, err, None)
+        finally:   # the reporter's final words and decision (it may still be describing)
+            reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+            self._after(k, bool(resync))
+            if reason:
+                err.args = (reason + late,)
+
+    def told(self, seq, j):
+        """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
+        (once it has decided, after its stand-in, whether the group needs a fresh start)."""
+        who = self.group.ranks[j]
+        self._answer(seq)
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+        m, b = self.mem, self.row
+        if m[b + 5] and (m[b + 5] >> 24) == seq:
+            m[b + 5] = 0
+        self._after(seq, bool(resync))
+        raise _peer_error(reason or f"rank {who} refused call {seq}")
+
+    def poisoned_after(self, seq, code):
+        """After call ``seq`` returned: a member's report about it arrived."""
+        from ._reliability.agreement import poison_fields
+
+        m, b = self.mem, self.row
+        word = m[b + 5]
+        k, who = poison_fields(word)
+        me = self.group.ranks[self.group.rank]
+        if who == me or k <= self.raised or k > seq:
+            return
+        m[b + 5] = 0
+        m[b + 1] = seq << 4 | code
+        self._answer(k)
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+        self._after(k, bool(resync))
+        raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
+
+
+def _same_bytes(a, b):
+    """True when two calls differ only in what MPI does not see (dtype of the same size, op):
+    then every message of the call was matched, and the communicator needs no fresh start."""
+    from ._reliability.agreement import dtype_of
+
+    wa, wb = a.words(), b.words()
+    try:
+        sa, sb = dtype_of(a.dtype).itemsize, dtype_of(b.dtype).itemsize
+    except Exception:
+        return False
+    return wa[0] == wb[0] and wa[2] == wb[2] and wa[4:] == wb[4:] and sa == sb
+
+
+def _peer_error(reason):
+    """The error for a member's report: a refusal for an invalid argument is also an
+    InvalidArgumentError (the call was invalid, on that rank)."""
+    from .errors import RefusedElsewhereError
+
+    if " refused " in reason and ": InvalidArgumentError: " in reason:
+        return RefusedElsewhereError(reason)
+    return CollectiveMismatchError(reason)
