@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import time
 
-from ._backends.base import IN_PLACE, NEVER, NEW, OUT, _dropped as _DROPPED, complete_dropped
+from ._backends.base import IN_PLACE, NEVER, NEW, _dropped as _DROPPED, complete_dropped, role_of
 from ._callspec import plain_spec, spec_of
 from ._dispatch_checks import AgreementPaths
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.flight import new_ring
-from ._reliability.progress import P2P, P2P_GH, P2P_TAG, calls_base, ghash, p2p_word
+from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, P2P, P2P_GH, P2P_TAG, calls_base, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
@@ -102,92 +102,147 @@ class Dispatcher(AgreementPaths):
         self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % 256)
 
     def call(self, code, x, out, arg, async_op, stream):
-        """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root)."""
+        """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root).
+
+        The common case written out: the group's last call of this collective had the same
+        signature, so its prepared call runs again. Anything else takes ``call_new``."""
         p = self.last[code]
-        key = None
-        role = NEW if out is None else (IN_PLACE if out is x else OUT)   # (role_of, inline)
-        if x.__class__ is not p.cls or x.shape != p.shape or x.dtype is not p.dtype \
-                or (arg is not p.arg and arg != p.arg) or stream is not p.stream or async_op is not p.async_op \
-                or p.role is not role:
-            p = None
-            if arg.__class__ is not Sized:   # (sized calls are prepared every time)
-                try:
-                    key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role)
-                    if not self.known:
-                        hash(key)
-                    p = self.known.pop(key, None)
-                except (AttributeError, TypeError):   # no shape, or an unhashable argument (a shape
-                    #                                   type such as Paddle's; pop() on an empty dict
-                    #                                   does not hash, hence hash() there)
-                    key = None
-                if p is not None:
-                    self.known[key] = p   # back in, as the most recently used
-                    self.last[code] = p
+        try:
+            k = (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)
+        except AttributeError:   # no shape or dtype: prepared every time
+            k = ()
+        if k != p.key:
+            return self.call_new(code, x, out, arg, async_op, stream)
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
         v = seq << 4 | code
         m = self.mem
         b = self.row
-        if m[b + 5]:     # POISON: a peer's report, or this rank's own resync due
+        if m[b + AT_POISON]:     # a peer's report, or this rank's own resync due
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
         m[b] = v
-        k = seq & 7
+        w = seq << 32 | p.sig
+        m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
+        sh = self.shr
+        if sh is not None:
+            sh[self.shb + (seq & 7)] = w
+        fr = self.fr
+        if fr is not None:
+            fr[seq & self.fmask] = (seq, code, p, _now())
         try:
-            if p is None:
-                # the entry stays the call in progress (the watchdog describes it); only
-                # a reusable one (cls not None) is ever matched again
-                p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
-                    if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
-                sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)
-                p.sig = sp.sig
-                if key is not None and p.cls is not None:
+            r = p.run(x, out)
+        except BaseException as e:  # the call is over on this rank: published as raised
+            self.raise_in_call(seq, code, e)
+        if m[b + AT_POISON]:     # a peer's report arrived during the call
+            self.poisoned_after(seq, code)
+        if sh is not None:   # the host neighbours' calls of this sequence number
+            k = seq & 7
+            pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
+            if pw != w and pw >> 32 == seq:
+                self.differs(seq, code, self.p1j, pw)
+            more = self.more
+            if more:
+                for pm, pb, j in more:
+                    pw = pm[pb + k]
+                    if pw != w and pw >> 32 == seq:
+                        self.differs(seq, code, j, pw)
+        m[b + AT_DONE] = v
+        if async_op:
+            r._what = r._what[:3] + (self.group, seq)
+            r._watch = self.watch
+        return r
+
+    def call_new(self, code, x, out, arg, async_op, stream):
+        """``call`` for a signature other than the last one of this collective: a prepared
+        call kept from earlier (least recently used out first), else a new one from the
+        transport, which validates the call; then run as ``call`` runs it."""
+        key = None
+        if arg.__class__ is not Sized:   # (sized calls are prepared every time)
+            try:
+                key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role_of(x, out))
+                if not self.known:
+                    hash(key)
+                p = self.known.pop(key, None)
+            except (AttributeError, TypeError):   # no shape, or an unhashable argument (a shape
+                #                                   type such as Paddle's; pop() on an empty dict
+                #                                   does not hash, hence hash() there)
+                key = p = None
+            if p is not None:
+                self.known[key] = p   # back in, as the most recently used
+                self.last[code] = p
+                return self.call(code, x, out, arg, async_op, stream)
+        if _DROPPED:
+            complete_dropped()
+        seq = self.seq = self.seq + 1
+        v = seq << 4 | code
+        m = self.mem
+        b = self.row
+        if m[b + AT_POISON]:
+            self.poisoned(seq, code, (x, out, arg, async_op, stream))
+        m[b] = v
+        try:
+            # the entry stays the call in progress (the watchdog describes it); only
+            # a reusable one (key not None) is ever matched again
+            p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
+                if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
+            sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)
+            p.sig = sp.sig
+            if p.cls is not None:
+                p.key = (p.cls, p.shape, p.dtype, p.arg, p.stream, p.async_op, p.role is NEW, p.role is IN_PLACE)
+                if key is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:
                         del known[next(iter(known))]   # the least recently used
                     known[key] = p
             w = seq << 32 | p.sig
-            m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
+            m[self.cb + (seq & 255)] = w
             sh = self.shr
             if sh is not None:
-                sh[self.shb + k] = w
+                sh[self.shb + (seq & 7)] = w
             fr = self.fr
             if fr is not None:
                 fr[seq & self.fmask] = (seq, code, p, _now())
             r = p.run(x, out)
-        except BaseException as e:  # the call is over on this rank: published as raised
-            m[b + 3] = v      # the row's RAISED word (mpicomm._reliability.progress)
-            if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
-                m[b + 1] = v
-                err = mpi_error(e, NAMES[code], seq, self.group.name)
-                if isinstance(err, CollectiveMismatchError) and self.check:
-                    w = m[self.cb + (seq & 255)]
-                    other = next((j for pm, pb, j in self.peers
-                                  if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
-                    self.disagree(seq, code, other, err if other is None else None)
-                self._raised_here(seq)
-                raise err from e
-            if self.check and isinstance(e, Exception) and not isinstance(e, CommunicationError) \
-                    and self.group.size > 1:
-                self.refuse(seq, code, e, None)   # raises
-            m[b + 1] = v
-            self._raised_here(seq)
-            raise
-        if m[b + 5]:     # a peer's report arrived during the call
+        except BaseException as e:
+            self.raise_in_call(seq, code, e)
+        if m[b + AT_POISON]:
             self.poisoned_after(seq, code)
-        if sh is not None:   # the host neighbours' calls of this sequence number
-            pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
-            if pw != w and pw >> 32 == seq:
-                self.differs(seq, code, self.p1j, pw)
-            for pm, pb, j in self.more:
-                pw = pm[pb + k]
+        if sh is not None:
+            for pm, pb, j in self.peers:
+                pw = pm[pb + (seq & 7)]
                 if pw != w and pw >> 32 == seq:
                     self.differs(seq, code, j, pw)
-        m[b + 1] = v
+        m[b + AT_DONE] = v
         if async_op:
             r._what = r._what[:3] + (self.group, seq)
             r._watch = self.watch
         return r
+
+    def raise_in_call(self, seq, code, e):
+        """Publish that call ``seq`` raised ``e`` on this rank, and raise: MPI's own error as
+        the call's (a mismatch when MPI says the messages differ), an argument error as a
+        refusal the other members see (with the agreement check)."""
+        m, b = self.mem, self.row
+        v = seq << 4 | code
+        m[b + AT_RAISED] = v
+        if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
+            m[b + AT_DONE] = v
+            err = mpi_error(e, NAMES[code], seq, self.group.name)
+            if isinstance(err, CollectiveMismatchError) and self.check:
+                w = m[self.cb + (seq & 255)]
+                k = seq & 7
+                other = next((j for pm, pb, j in self.peers
+                              if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
+                self.disagree(seq, code, other, err if other is None else None)
+            self._raised_here(seq)
+            raise err from e
+        if self.check and isinstance(e, Exception) and not isinstance(e, CommunicationError) \
+                and self.group.size > 1:
+            self.refuse(seq, code, e, None)   # raises
+        m[b + AT_DONE] = v
+        self._raised_here(seq)
+        raise e
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""
@@ -209,7 +264,7 @@ class Dispatcher(AgreementPaths):
         seq = self.seq = self.seq + 1
         v = seq << 4 | code
         m, b = self.mem, self.row
-        if m[b + 5]:
+        if m[b + AT_POISON]:
             self.poisoned(seq, code)
         m[b] = v
         w = seq << 32 | plain_spec(code).sig
@@ -221,14 +276,14 @@ class Dispatcher(AgreementPaths):
         try:
             r = fn()
         except BaseException:
-            m[b + 1] = v
-            m[b + 3] = v
+            m[b + AT_DONE] = v
+            m[b + AT_RAISED] = v
             raise
         for pm, pb, j in self.peers:
             pw = pm[pb + (seq & 7)]
             if pw != w and pw >> 32 == seq:
                 self.differs(seq, code, j, pw)
-        m[b + 1] = v
+        m[b + AT_DONE] = v
         return r
 
     def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):

@@ -15,7 +15,7 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
-from ._reliability.progress import ENTERED, REPORTED
+from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, ENTERED, REPORTED
 from .errors import CollectiveMismatchError
 
 SPEC_WAIT = 2.0   # s a refusing rank waits for the specs of members that took part (stand-in)
@@ -27,7 +27,7 @@ class AgreementPaths:
     __slots__ = ()
     def differs(self, seq, code, j, pw):
         """Group rank ``j``'s ring word ``pw`` for call ``seq`` differs from this rank's."""
-        self.mem[self.row + 1] = seq << 4 | code
+        self.mem[self.row + AT_DONE] = seq << 4 | code
         self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
 
     def _me(self):
@@ -102,8 +102,8 @@ class AgreementPaths:
         self._raised_here(seq)   # (published: the comparison across hosts passes over it)
         if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
             self.resync = True
-            if not self.mem[self.row + 5]:   # (a member's report there brings the next call here too)
-                self.mem[self.row + 5] = poison_word(seq, self.group.ranks[self.group.rank])
+            if not self.mem[self.row + AT_POISON]:   # (a member's report there brings the next call here too)
+                self.mem[self.row + AT_POISON] = poison_word(seq, self.group.ranks[self.group.rank])
 
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
@@ -167,7 +167,7 @@ class AgreementPaths:
         members = self._members()
         if self.slots is None:
             self._after(seq, False)
-            m[b + 1] = m[b]
+            m[b + AT_DONE] = m[b]
             raise e if e is not None else CollectiveMismatchError(reason)
         t0 = time.monotonic()
 
@@ -194,7 +194,7 @@ class AgreementPaths:
                 self._stand_in(code, specs[0])
                 stood = True
         finally:
-            m[b + 1] = m[b]
+            m[b + AT_DONE] = m[b]
             self._after(seq, bool(entered) and not stood)
             self.rel.progress.set_decision(bool(entered) and not stood)
         if e is not None:
@@ -217,15 +217,15 @@ class AgreementPaths:
             self.resync = False
             self.rel.resync(self.group)
         m[b] = seq << 4 | code
-        m[b + 3] = m[b]
-        word = m[b + 5]
+        m[b + AT_RAISED] = m[b]
+        word = m[b + AT_POISON]
         if word:
             k, who = poison_fields(word)
             # this rank's own resync marker, a report about a call that raised here, or one
             # about this very call (this rank refuses it too): no news. A report about an
             # earlier call that returned here stays for the next call.
-            if (who == self.group.ranks[self.group.rank] or k <= self.raised or k == seq) and m[b + 5] == word:
-                m[b + 5] = 0
+            if (who == self.group.ranks[self.group.rank] or k <= self.raised or k == seq) and m[b + AT_POISON] == word:
+                m[b + AT_POISON] = 0
         self.refuse(seq, code, e, None)
 
     def _stand_in(self, code, spec):
@@ -283,17 +283,17 @@ class AgreementPaths:
         if self.resync:   # first of all: the fresh communicator every member makes at its next call
             self.resync = False
             self.rel.resync(self.group)
-        word = m[b + 5]
+        word = m[b + AT_POISON]
         k, who = poison_fields(word)
         me = self.group.ranks[self.group.rank]
         if who == me or k <= self.raised:
-            if m[b + 5] == word:
-                m[b + 5] = 0
+            if m[b + AT_POISON] == word:
+                m[b + AT_POISON] = 0
             return
         if k > seq:      # a member is ahead: this rank refuses that call when it gets there
             return
-        if m[b + 5] == word:
-            m[b + 5] = 0
+        if m[b + AT_POISON] == word:
+            m[b + AT_POISON] = 0
         if k == seq:     # before taking part: refuse it too
             reason = self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
             m[b] = seq << 4 | code
@@ -307,14 +307,14 @@ class AgreementPaths:
                         self.plain().prepare(code, x, out, arg, async_op, stream)
                 except Exception as e:   # this rank's own arguments are refused too
                     own = e
-            m[b + 3] = m[b]
+            m[b + AT_RAISED] = m[b]
             self.refuse(seq, code, own, reason, who)
         # k < seq: this rank's call k is over (it returned before the report came): it
         # raises the report now, refusing call seq, so that members already inside call
         # seq are stood in for and raise too (every rank's count of calls stays alike)
         self._answer(k)
         m[b] = seq << 4 | code
-        m[b + 3] = m[b]
+        m[b + AT_RAISED] = m[b]
         late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
                 f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]")
         err = _peer_error((self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}")
@@ -334,8 +334,8 @@ class AgreementPaths:
         self._answer(seq)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         m, b = self.mem, self.row
-        if m[b + 5] and (m[b + 5] >> 24) == seq:
-            m[b + 5] = 0
+        if m[b + AT_POISON] and (m[b + AT_POISON] >> 24) == seq:
+            m[b + AT_POISON] = 0
         self._after(seq, bool(resync))
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
@@ -344,13 +344,13 @@ class AgreementPaths:
         from ._reliability.agreement import poison_fields
 
         m, b = self.mem, self.row
-        word = m[b + 5]
+        word = m[b + AT_POISON]
         k, who = poison_fields(word)
         me = self.group.ranks[self.group.rank]
         if who == me or k <= self.raised or k > seq:
             return
-        m[b + 5] = 0
-        m[b + 1] = seq << 4 | code
+        m[b + AT_POISON] = 0
+        m[b + AT_DONE] = seq << 4 | code
         self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         self._after(k, bool(resync))

@@ -141,7 +141,7 @@ class Prepared:
     a route that depends on more than these facts).
     """
 
-    __slots__ = ("code", "cls", "shape", "dtype", "arg", "role", "stream", "async_op", "run", "spec", "sig")
+    __slots__ = ("code", "cls", "shape", "dtype", "arg", "role", "stream", "async_op", "run", "spec", "sig", "key")
 
     def __init__(self, code, x, out, arg, async_op, stream, run, reuse=True):
         self.code = code
@@ -156,6 +156,7 @@ class Prepared:
         self.run = run
         self.spec = None     # the call's CallSpec and its signature: set by the dispatcher
         self.sig = 0
+        self.key = None      # what the dispatcher compares (set by it for a reusable call)
 
     @property
     def name(self):
@@ -169,7 +170,7 @@ class Prepared:
 class _Never:
     """The empty cache entry: no array's class is None's, so nothing matches it."""
 
-    cls = shape = dtype = arg = stream = async_op = role = None
+    cls = shape = dtype = arg = stream = async_op = role = key = None
 
 
 NEVER = _Never()

@@ -65,8 +65,9 @@ def calls_base(row):
     return XR + (row - ENTERED - HDR) // F * CALLS_N
 
 
-# the dispatcher writes a row's words by their offset from ENTERED
-assert DONE - ENTERED == 1 and RAISED - ENTERED == 3
+# The dispatcher holds a row by the index of its ENTERED word and writes the row's other
+# words by their offset from it: mem[row + AT_DONE], ...
+AT_DONE, AT_RAISED, AT_POISON = DONE - ENTERED, RAISED - ENTERED, POISON - ENTERED
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 
