@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall]...
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
 # JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
@@ -210,6 +210,15 @@ if want session; then  # a short device budget: every GPU test file, the agreeme
     for a in cupy torch; do
         step "bench-capture-$a" 45 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_capture.py --array "$a" --rounds 20
         grep -a -A5 "^# bench_capture: " "$LOG" | tail -6 >>"$SUM"
+    done
+fi
+if want percall; then  # where a call's time goes (scripts/profile_percall.py), CuPy and PyTorch; BASE=dir: also that tree's mpicomm
+    for a in cupy torch; do
+        for tree in "$PWD" ${BASE:+"$BASE"}; do
+            step "profile-$a-$(basename "$tree")" 150 env PYTHONPATH="$tree:${PYTHONPATH#*:}" "${MPI[@]}" 2 \
+                "$PY" scripts/profile_percall.py --array "$a" --rounds 10
+            grep -a -A22 "^# profile_percall" "$LOG" | tail -23 >>"$SUM"
+        done
     done
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
