@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from .._arrays import is_gpu_array, is_torch
-from .._dtypes import of_numpy, of_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
-                    SENDRECV, check_op_dtype, nccl_ops)
+                    SCATTER, SENDRECV, check_op_dtype, nccl_ops)
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
+from .gpu_arrays import GPUArrays, overlap, prod
+from .nccl_layouts import LAYOUTS
+from .nccl_tagged import StagedTags
 from .capture import current_capturing, stream_capturing
 from .mpi import MPITransport
 from .tagged import TaggedP2P
@@ -112,36 +112,7 @@ class NCCLBackend(Backend):
         return NCCLTransport(mpi_comm, self.device_id)
 
 
-def _prod(shape):
-    r = 1
-    for d in shape:
-        r *= int(d)
-    return r
-
-
-def _nbytes(a, kind):
-    return a.numel() * a.element_size() if kind == "torch" else a.nbytes
-
-
-def _overlap(p, nb, q, mb):
-    """True when [p, p+nb) and [q, q+mb) overlap, unless they are the same bytes (in place)."""
-    return p < q + mb and q < p + nb and not (p == q and nb == mb)
-
-
-def _torch_raw_stream():
-    """A function device -> cudaStream_t of PyTorch's current stream (cheap, no Stream object).
-
-    PyTorch's streams come from per-device pools that live as long as the process, so
-    the handle stays valid for the watchdog without a reference."""
-    import torch
-
-    f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if f is not None:
-        return f
-    return lambda dev: torch.cuda.current_stream(dev).cuda_stream
-
-
-class NCCLTransport:
+class NCCLTransport(GPUArrays, StagedTags):
     """Collectives of one group over an NCCL communicator (and MPI for host arrays)."""
 
     def __init__(self, mpi_comm, device_id):
@@ -153,7 +124,6 @@ class NCCLTransport:
         self.size = mpi_comm.Get_size()
         self.device_id = device_id
         self._nop = nccl_ops(nccl)
-        self._torch_stream = None
         local = nccl.get_unique_id()
         uid = mpi_comm.bcast(local if self.rank == 0 else None, root=0)
         with cupy.cuda.Device(device_id):
@@ -191,152 +161,12 @@ class NCCLTransport:
             return _not_captured(self.host.prepare(code, x, out, arg, async_op, stream), x)
         return self._prepare[code](x, out, arg, async_op, stream)
 
-    # ----------------------------------------------------------- array families
-    def _family(self, x, arg="x"):
-        """(kind, dtype row, device array) of the first call's GPU input.
-
-        kind is "cupy" (CuPy arrays), "torch" (CUDA tensors) or "other" (converted to
-        CuPy each call)."""
-        cupy = self.cupy
-        if x.__class__ is cupy.ndarray:
-            kind, a = "cupy", x
-        elif is_torch(x):
-            kind, a = "torch", x
-        else:
-            kind, a = "other", (cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x))
-        dev = a.get_device() if kind == "torch" else a.data.device_id
-        if dev != self.device_id:
-            raise invalid(f"{arg}.device", f"cuda:{dev}", f"cuda:{self.device_id}, the GPU of this rank's "
-                          "NCCL communicator")
-        row = of_torch(a.dtype, arg) if kind == "torch" else of_numpy(a.dtype, arg)
-        return kind, row, a
-
-    def _binder(self, kind):
-        """bind(x, arg) -> (device array, pointer) for this call's array: contiguous, on this GPU."""
-        cupy, dev = self.cupy, self.device_id
-        if kind == "cupy":
-            fast = hasattr(cupy.empty(0), "_c_contiguous")   # CuPy's flag without a Flags object
-
-            def bind(x, arg="x"):
-                if not (x._c_contiguous if fast else x.flags.c_contiguous):
-                    x = cupy.ascontiguousarray(x)
-                if x.data.device_id != dev:
-                    raise invalid(f"{arg}.device", f"cuda:{x.data.device_id}", f"cuda:{dev}, the GPU of this "
-                                  "rank's NCCL communicator")
-                return x, x.data.ptr
-        elif kind == "torch":
-            def bind(x, arg="x"):
-                if not x.is_contiguous():
-                    x = x.contiguous()
-                if x.get_device() != dev:
-                    raise invalid(f"{arg}.device", str(x.device), f"cuda:{dev}, the GPU of this rank's NCCL "
-                                  "communicator")
-                return x, x.data_ptr()
-        else:
-            def bind(x, arg="x"):
-                a = cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
-                return bind_cupy(a, arg)
-            bind_cupy = self._binder("cupy")
-        return bind
-
-    def _empty(self, kind, like, shape):
-        if kind == "torch":
-            import torch
-
-            dtype, device = like.dtype, like.device
-            return lambda: torch.empty(shape, dtype=dtype, device=device)
-        cupy, dtype = self.cupy, like.dtype
-        return lambda: cupy.empty(shape, dtype)
-
-    def _streamer(self, stream, kind):
-        """A function () -> (cudaStream_t, what the watchdog keeps) for this call's stream."""
-        if stream is None:
-            if kind == "torch":
-                if self._torch_stream is None:
-                    self._torch_stream = _torch_raw_stream()
-                raw, dev = self._torch_stream, self.device_id
-
-                def cur():
-                    p = raw(dev)
-                    return p, p
-                return cur
-            get = self.cupy.cuda.get_current_stream
-
-            def cur():
-                st = get()
-                return st.ptr, st
-            return cur
-        if isinstance(stream, int):
-            return lambda: (stream, None)   # a bare handle: nothing keeps it alive, so not watched
-        p = getattr(stream, "ptr", None)
-        if p is None:
-            p = getattr(stream, "cuda_stream", None)
-        if p is None:
-            raise invalid("stream", stream, "a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t (int)")
-        return lambda: (p, stream)
-
-    def _out_binder(self, kind, role, oshape, dtype, x0, what, code=None):
-        """out(x, xa, xp, out) -> (output array, pointer, result) for this call."""
-        bind = self._binder(kind)
-        empty = self._empty(kind, x0, oshape)
-        tshape = tuple(oshape)
-        xnb = _nbytes(x0, kind)
-        onb = xnb * self.size if code == ALL_GATHER else (xnb // self.size if code == REDUCE_SCATTER else xnb)
-        rank = self.rank
-
-        def slot(p, xp):
-            """The collective's own in-place form: x is this rank's part of out (all_gather),
-            or out this rank's part of x (reduce_scatter); NCCL does both in place."""
-            if code == ALL_GATHER:
-                return xp == p + rank * xnb
-            if code == REDUCE_SCATTER:
-                return p == xp + rank * onb
-            return False
-
-        if role is NEW:
-            def out_of(x, xa, xp, out):
-                o = empty()
-                return o, (o.data.ptr if kind != "torch" else o.data_ptr()), o
-        elif role is IN_PLACE:
-            if tuple(x0.shape) != tshape:
-                raise invalid("out", "x (in place)", f"an array of shape {tshape}: {what}")
-
-            def out_of(x, xa, xp, out):
-                if xa is not x:
-                    raise invalid("out", "x, a non-contiguous array", "a contiguous array (the result is "
-                                  "written into it in place)")
-                return xa, xp, x
-        else:
-            def out_of(x, xa, xp, out):
-                if not is_gpu_array(out):
-                    raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-                o, p = bind(out, "out")
-                if o is not out:
-                    raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-                if tuple(o.shape) != tshape:
-                    raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
-                if o.dtype != dtype:
-                    raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-                if _overlap(p, _nbytes(o, kind), xp, _nbytes(xa, kind)) and not slot(p, xp):
-                    raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
-                                  "memory (in place), or an array that shares no memory with x")
-                return o, p, out
-        return out_of
-
-    def _write_back(self, x, xa, xp, kind):
-        if kind == "torch":
-            if x.data_ptr() != xp:
-                x.copy_(xa)
-            return
-        cupy = self.cupy
-        v = x if kind == "cupy" else (cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x))
-        if v.data.ptr != xp:
-            v[...] = xa
-
     def _work(self, p, result, keep, what):
         ev = self.cupy.cuda.Event(block=False, disable_timing=True)
         self.cupy.cuda.runtime.eventRecord(ev.ptr, p)
         w = NCCLWork(ev, result, what, keep)
+        if self._batch is not None:   # in a batch: recorded again after the group's launch
+            self._batch.append((ev, p))
         if stream_capturing(p):   # captured in a CUDA graph: the replay's stream orders what
             w._done = True        # follows, and the host has nothing to wait for
         return w
@@ -347,10 +177,12 @@ class NCCLTransport:
 
         ``oshape_of(shape)`` gives the output shape (and validates the input's); the count
         is the input's elements (divided by ``count_div``: reduce_scatter counts the output).
-        The run binds this call's arrays: a contiguous array on this GPU, the output (new,
-        in place or ``out=``, checked), the stream; the common cases are written out for
-        CuPy arrays and PyTorch tensors, anything else takes ``run_any``, which checks
-        and converts step by step and raises the errors that name the argument.
+        ``run`` binds this call's arrays through the array kind's accessors (mpicomm.
+        _backends.gpu_arrays): a contiguous array on this GPU, the output (new, in place or
+        ``out=``, checked), the stream; anything it does not take as it comes (a
+        non-contiguous array, an ``out=`` that differs from the first call's, another
+        kind, an async call) goes to ``run_any``, which checks and converts step by step and
+        raises the errors that name the argument.
         """
         kind, row, a = self._family(x)
         if op is not None:
@@ -358,33 +190,40 @@ class NCCLTransport:
         shape = tuple(a.shape)
         oshape = tuple(oshape_of(shape))
         bcast = code == BROADCAST
-        role = role_of(x, out)
-        if bcast:
-            role = IN_PLACE   # broadcast: in place into x
+        role = IN_PLACE if bcast else role_of(x, out)   # broadcast: in place into x
         dtype, itemsize = a.dtype, (a.dtype.itemsize if kind != "torch" else a.element_size())
         nt = row.nccl
         count = (int(a.size) if kind != "torch" else a.numel()) * row.nccl_scale // count_div
         xnb = itemsize * (int(a.size) if kind != "torch" else a.numel())
-        onb = itemsize * _prod(oshape)
-        name = NAMES[code]
-        what = (name, shape, dtype)
+        onb = itemsize * prod(oshape)
+        what = (NAMES[code], shape, dtype)
         bind = self._binder(kind)
         out_of = self._out_binder(kind, role, oshape, dtype, a, rule, code) if not bcast else None
         cur = self._streamer(stream, kind)
-        transport, dev = self, self.device_id
         if role is OUT:
             out_of(x, *bind(x), out)  # check the first out= now (every rank checks its own alike)
         is_root = code != REDUCE or self.rank == arg[1]
+        run_any = self._run_any(bind, out_of, cur, meth, (count, nt, *extra), kind, what, is_root, async_op)
+        if async_op or kind == "other":
+            return Prepared(code, x, out, arg, async_op, stream, run_any)
+        return Prepared(code, x, out, arg, async_op, stream,
+                        self._run(code, x, a, kind, role, oshape, dtype, xnb, onb, count, nt, extra, stream, meth,
+                                  is_root, what, run_any))
+
+    def _run_any(self, bind, out_of, cur, meth, args, kind, what, is_root, async_op):
+        """A collective's run that checks and converts its arrays step by step (out_of None:
+        broadcast, in place into x, written back when x is not contiguous)."""
+        transport = self
 
         def run_any(x, out):
             xa, xp = bind(x)
-            if bcast:
+            if out_of is None:
                 o, op_, res = xa, xp, x
             else:
                 o, op_, res = out_of(x, xa, xp, out)
             p, st = cur()
-            getattr(transport.comm, meth)(xp, op_, count, nt, *extra, p)
-            if bcast and xa is not x:   # broadcast filled a contiguous copy of x: write it back
+            getattr(transport.comm, meth)(xp, op_, *args, p)
+            if out_of is None and xa is not x:   # broadcast filled a contiguous copy of x: write it back
                 transport._write_back(x, xa, xp, kind)
             if st is not None:
                 transport.last_stream, transport.last_what = st, what
@@ -393,100 +232,62 @@ class NCCLTransport:
             if async_op:
                 return transport._work(p, res, (xa, o), what)
             return res
+        return run_any
 
-        if async_op or kind == "other" or (kind == "cupy" and not hasattr(a, "_c_contiguous")):
-            return Prepared(code, x, out, arg, async_op, stream, run_any)
-        # The common cases written out (a Python call costs about as much as a check):
-        # the NCCL call by collective, the stream, the overlap test inline.
+    def _run(self, code, x, a, kind, role, oshape, dtype, xnb, onb, count, nt, extra, stream, meth, is_root, what,
+             run_any):
+        """The run of a blocking collective on CuPy arrays or PyTorch tensors: the arrays
+        bound through the kind's accessors, the library call bound here; anything else
+        (a non-contiguous array, an out= unlike the first call's, an aborted comm) takes
+        ``run_any``."""
+        transport = self
+        cur = self._streamer(stream, kind)
+        k = self.kind(kind)
+        ptr, contiguous, device, dev = k.ptr, k.contiguous, k.device, self.device_id
         ocls, empty = x.__class__, self._empty(kind, a, oshape)
-        k = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE).index(code)
+        comm = self.comm
+        lib = getattr(comm, meth)   # the library call, bound now (an aborted comm goes to run_any)
         e0, e1 = (tuple(extra) + (None, None))[:2]
         given = stream is not None
         p0, st0 = cur() if given else (None, None)
+        get, sptr = k.current_stream, k.stream_ptr
         # in place in NCCL's form: x at this offset in out (all_gather), out at this one in x
         # (reduce_scatter); 2**62 never matches a pointer difference of the other collectives
         sx = self.rank * xnb if code == ALL_GATHER else 1 << 62
         so = self.rank * onb if code == REDUCE_SCATTER else 1 << 62
 
-        if kind == "cupy":
-            get = self.cupy.cuda.get_current_stream
-
-            def run(x, out):
-                if not x._c_contiguous or x.data.device_id != dev:
+        def run(x, out):
+            if not contiguous(x) or device(x) != dev or transport.comm is not comm:
+                return run_any(x, out)
+            xp = ptr(x)
+            if role is NEW:
+                res = empty()
+                op_ = ptr(res)
+            elif role is IN_PLACE:
+                res, op_ = x, xp
+            else:
+                if out.__class__ is not ocls or (out.dtype is not dtype and out.dtype != dtype) \
+                        or out.shape != oshape or not contiguous(out) or device(out) != dev:
                     return run_any(x, out)
-                xp = x.data.ptr
-                if role is NEW:
-                    res = empty()
-                    op_ = res.data.ptr
-                elif role is IN_PLACE:
-                    res, op_ = x, xp
-                else:
-                    if out.__class__ is not ocls or not out._c_contiguous or out.dtype != dtype \
-                            or out.shape != oshape or out.data.device_id != dev:
-                        return run_any(x, out)
-                    op_ = out.data.ptr
-                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb) \
-                            and op_ + sx != xp and xp + so != op_:   # (the in-place forms: slot())
-                        return run_any(x, out)
-                    res = out
-                if given:
-                    p, st = p0, st0
-                else:
-                    st = get()
-                    p = st.ptr
-                c = transport.comm
-                if k == 0:
-                    c.allReduce(xp, op_, count, nt, e0, p)
-                elif k == 1:
-                    c.reduceScatter(xp, op_, count, nt, e0, p)
-                elif k == 2:
-                    c.allGather(xp, op_, count, nt, p)
-                elif k == 3:
-                    c.broadcast(xp, op_, count, nt, e0, p)
-                else:
-                    c.reduce(xp, op_, count, nt, e0, e1, p)
-                transport.last_stream, transport.last_what = st, what
-                return res if is_root else None
-        else:  # torch
-            raw = _torch_raw_stream()
-
-            def run(x, out):
-                if not x.is_contiguous() or x.get_device() != dev:
+                op_ = ptr(out)
+                if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb) \
+                        and op_ + sx != xp and xp + so != op_:   # (the in-place forms: slot())
                     return run_any(x, out)
-                xp = x.data_ptr()
-                if role is NEW:
-                    res = empty()
-                    op_ = res.data_ptr()
-                elif role is IN_PLACE:
-                    res, op_ = x, xp
-                else:
-                    if out.__class__ is not ocls or out.dtype is not dtype or out.shape != oshape \
-                            or not out.is_contiguous() or out.get_device() != dev:
-                        return run_any(x, out)
-                    op_ = out.data_ptr()
-                    if op_ < xp + xnb and xp < op_ + onb and not (op_ == xp and onb == xnb) \
-                            and op_ + sx != xp and xp + so != op_:   # (the in-place forms: slot())
-                        return run_any(x, out)
-                    res = out
-                if given:
-                    p, st = p0, st0
-                else:
-                    p = st = raw(dev)
-                c = transport.comm
-                if k == 0:
-                    c.allReduce(xp, op_, count, nt, e0, p)
-                elif k == 1:
-                    c.reduceScatter(xp, op_, count, nt, e0, p)
-                elif k == 2:
-                    c.allGather(xp, op_, count, nt, p)
-                elif k == 3:
-                    c.broadcast(xp, op_, count, nt, e0, p)
-                else:
-                    c.reduce(xp, op_, count, nt, e0, e1, p)
-                transport.last_stream, transport.last_what = st, what
-                return res if is_root else None
-
-        return Prepared(code, x, out, arg, async_op, stream, run)
+                res = out
+            if given:
+                p, st = p0, st0
+            else:
+                st = get()
+                p = sptr(st)
+            if e1 is not None:     # reduce: op, root
+                lib(xp, op_, count, nt, e0, e1, p)
+            elif e0 is not None:   # all_reduce, reduce_scatter: op; broadcast: root
+                lib(xp, op_, count, nt, e0, p)
+            else:                  # all_gather
+                lib(xp, op_, count, nt, p)
+            transport.last_stream, transport.last_what = st, what
+            return res if is_root else None
+        return run
 
     def _prepare_all_reduce(self, x, out, op, async_op, stream):
         return self._prepare_call(ALL_REDUCE, x, out, op, async_op, stream, "allReduce", (self._nop[op],),
@@ -576,128 +377,38 @@ class NCCLTransport:
         return self._prepare_v(code, x, out, arg, async_op, stream)
 
     def _prepare_v(self, code, x, out, arg, async_op, stream):
-        n, rank = self.size, self.rank
+        """A call with per-rank sizes (mpicomm._backends.nccl_layouts): grouped sends and
+        receives, or one reduce per rank, from the layout of this rank's parts."""
         base, sizes, outs = arg
         name = NAMES[code]
         kind, row, a = self._family(x if x is not None else out, "x" if x is not None else "out")
         shape, dtype = tuple(a.shape), a.dtype
         isz = dtype.itemsize if kind != "torch" else a.element_size()
-        scale, nt = row.nccl_scale, row.nccl
         if not shape and not (code == GATHER and sizes is None):
             raise invalid("x.shape", (), f"an array with an axis 0 ({name} splits or joins along it)")
-        trail = shape[1:]
-        t = _prod(trail)
-
-        def offsets(sz):
-            r, acc = [], 0
-            for s in sz:
-                r.append(acc)
-                acc += s
-            return r
-
-        sends, recvs, reduces = [], [], []   # (peer, offset in elements, elements)
         nop = None
-        is_root = True
-        if code == ALL_GATHER:
-            if shape[0] != sizes[rank]:
-                raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-            offs = offsets(sizes)
-            oshape = (sum(sizes),) + trail
-            sends = [(j, 0, sizes[rank] * t) for j in range(n)]
-            recvs = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
-        elif code == ALL_TO_ALL:
-            ins, outs_ = sizes, outs
-            if ins is None:
-                if shape[0] % n:
-                    raise invalid("x.shape", shape, f"a first axis divisible by the group size {n}, or in_splits")
-                ins = (shape[0] // n,) * n
-            elif sum(ins) != shape[0]:
-                raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {shape[0]} (on rank {rank})")
-            if outs_ is None:
-                o0 = shape[0] if out is None or out is x else int(out.shape[0])
-                if o0 % n:
-                    raise invalid("out.shape", (o0,) + trail, f"a first axis divisible by the group size {n}, "
-                                  "or out_splits (a list, or 'auto')")
-                outs_ = (o0 // n,) * n
-            so, ro = offsets(ins), offsets(outs_)
-            oshape = (sum(outs_),) + trail
-            sends = [(j, so[j] * t, ins[j] * t) for j in range(n)]
-            recvs = [(j, ro[j] * t, outs_[j] * t) for j in range(n)]
-        elif code == REDUCE_SCATTER:
+        if code == REDUCE_SCATTER:
             check_op_dtype(base, row)
             nop = self._nop[base]
-            if sum(sizes) != shape[0]:
-                raise invalid("sizes", list(sizes), f"sizes that add up to x.shape[0] = {shape[0]}")
-            offs = offsets(sizes)
-            oshape = (sizes[rank],) + trail
-            reduces = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
-        elif code == GATHER:
-            root = self.host._root(base)
-            is_root = rank == root
-            if sizes is None:
-                sizes = ((shape[0] if shape else 1),) * n
-            elif shape[0] != sizes[rank]:
-                raise invalid("x.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-            offs = offsets(sizes)
-            oshape = (sum(sizes),) + trail
-            sends = [(root, 0, sizes[rank] * t)]
-            recvs = [(j, offs[j] * t, sizes[j] * t) for j in range(n)] if is_root else []
-        else:   # SCATTER
-            root = self.host._root(base)
-            if rank == root:
-                if sizes is None:
-                    if shape[0] % n:
-                        raise invalid("x.shape", shape, f"a first axis divisible by the group size {n} on the root, "
-                                      "or sizes")
-                    sizes = (shape[0] // n,) * n
-                elif sum(sizes) != shape[0]:
-                    raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {shape[0]}")
-                offs = offsets(sizes)
-                sends = [(j, offs[j] * t, sizes[j] * t) for j in range(n)]
-                oshape = (sizes[rank],) + trail
-            else:
-                if sizes is not None and shape[0] != sizes[rank]:
-                    raise invalid("out.shape", shape, f"axis 0 of length sizes[{rank}] = {sizes[rank]} on rank {rank}")
-                oshape = shape
-            recvs = [(root, 0, _prod(oshape))]
+        root = self.host._root(base) if code in (GATHER, SCATTER) else None
+        o0 = int(out.shape[0]) if code == ALL_TO_ALL and out is not None and out is not x else None
+        lay = LAYOUTS[code](shape, self.rank, self.size, root, sizes, outs, o0)
+        toshape, is_root = lay.oshape, lay.is_root
         role = role_of(x, out)
-        bind = self._binder(kind)
-        empty = self._empty(kind, a, oshape) if is_root else None
-        cur = self._streamer(stream, kind)
-        what = (name, shape, dtype)
-        transport, nccl = self, self.nccl
-        toshape = tuple(oshape)
-        ptr = (lambda o: o.data_ptr()) if kind == "torch" else (lambda o: o.data.ptr)
         if role is IN_PLACE and toshape != shape:
             raise invalid("out", "x (in place)", f"an array of shape {toshape}: {name} gives that shape")
-
-        def out_of(x, xa, xp, out):
-            if out is None:
-                o = empty()
-                return o, ptr(o), o
-            if out is x:
-                return xa, xp, x
-            if not is_gpu_array(out):
-                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-            o, p = bind(out, "out")
-            if o is not out:
-                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-            if tuple(o.shape) != toshape:
-                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
-            if o.dtype != dtype:
-                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-            return o, p, out
+        out_of = self._v_out_binder(kind, toshape, dtype, a) if is_root else None
+        bind, cur, ptr = self._binder(kind), self._streamer(stream, kind), self._ptr(kind)
+        what = (name, shape, dtype)
+        transport, nccl, scale, nt = self, self.nccl, row.nccl_scale, row.nccl
+        sends, recvs, reduces = lay.sends, lay.recvs, lay.reduces
+        onb, xnb = prod(toshape) * isz, prod(shape) * isz
 
         def run(x, out):
-            if x is not None:
-                xa, xp = bind(x)
-            else:
-                xa, xp = None, 0
+            xa, xp = bind(x) if x is not None else (None, 0)
             if is_root:
                 o, op_, res = out_of(x, xa, xp, out)
-                onb = _prod(toshape) * isz
-                xnb = _prod(shape) * isz if x is not None else 0
-                if x is not None and _overlap(op_, onb, xp, xnb) or (op_ == xp and x is not None and sends):
+                if x is not None and (overlap(op_, onb, xp, xnb) or (op_ == xp and sends)):
                     # out shares memory with x (in place, or x a part of out): NCCL needs distinct
                     # send and receive buffers, so send from a copy
                     xa = xa.clone() if kind == "torch" else xa.copy()
@@ -726,6 +437,31 @@ class NCCLTransport:
             return res
 
         return Prepared(code, x, out, arg, async_op, stream, run, reuse=x is not None)
+
+    def _ptr(self, kind):
+        return self.kind("torch" if kind == "torch" else "cupy").ptr
+
+    def _v_out_binder(self, kind, toshape, dtype, like):
+        """out(x, xa, xp, out) -> (output array, pointer, result) of a call with per-rank sizes."""
+        bind, empty, ptr = self._binder(kind), self._empty(kind, like, toshape), self._ptr(kind)
+
+        def out_of(x, xa, xp, out):
+            if out is None:
+                o = empty()
+                return o, ptr(o), o
+            if out is x:
+                return xa, xp, x
+            if not is_gpu_array(out):
+                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+            o, p = bind(out, "out")
+            if o is not out:
+                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+            if tuple(o.shape) != toshape:
+                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
+            if o.dtype != dtype:
+                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+            return o, p, out
+        return out_of
 
     def sendrecv(self, x, dst, tag, async_op, stream, out, src):
         """Send ``x`` to ``dst`` and receive from ``src`` as one NCCL group (cannot deadlock)."""
@@ -771,17 +507,10 @@ class NCCLTransport:
         the MPI transport's batch."""
         self.host.batch_begin()
         self.nccl.groupStart()
-        self._batch = []
-        self._work = self._batch_work   # the Works' events are recorded after groupEnd
-
-    def _batch_work(self, p, result, keep, what):
-        w = NCCLTransport._work(self, p, result, keep, what)
-        self._batch.append((w._event, p))
-        return w
+        self._batch = []   # (event, stream) of each Work made until batch_end: _work records them
 
     def batch_end(self):
         evs, self._batch = self._batch, None
-        del self._work
         try:
             self.nccl.groupEnd()
         finally:
@@ -819,65 +548,6 @@ class NCCLTransport:
         what = ("recv" if code == RECV else "send", tuple(xa.shape), xa.dtype)
         res = x if code == RECV else None
         return self._work(p, res, (xa,), what) if async_op else res
-
-    # ----------------------------------------------------------- tagged point to point
-    # tag != 0 on GPU arrays: staged through host memory and matched by MPI (mpicomm._backends.tagged
-    # says why not over NCCL); the copies are on the call's stream.
-    def _staged(self, x, arg, stream):
-        """(device array, its pointer, dtype row, cudaStream_t) of GPU array ``x``, contiguous."""
-        kind, row, _ = self._family(x, arg)
-        xa, xp = self._binder(kind)(x, arg)
-        p, _ = self._streamer(stream, kind)()
-        return xa, xp, row, p
-
-    def _to_host(self, x, stream):
-        """A host copy of GPU array ``x``, taken after the work already on the call's stream."""
-        xa, xp, row, p = self._staged(x, "x", stream)
-        h = np.empty(tuple(xa.shape), row.dtype)
-        rt = self.cupy.cuda.runtime
-        if h.nbytes:
-            rt.memcpyAsync(h.ctypes.data, xp, h.nbytes, rt.memcpyDeviceToHost, p)
-        rt.streamSynchronize(p)
-        return h
-
-    def _lander(self, xp, p):
-        """land(o): copy host array ``o`` into device memory at ``xp`` on stream ``p`` (work
-        enqueued on ``p`` afterwards sees it; ``o`` may go once it returns)."""
-        rt = self.cupy.cuda.runtime
-
-        def land(o):
-            if o.nbytes:
-                rt.memcpyAsync(xp, o.ctypes.data, o.nbytes, rt.memcpyHostToDevice, p)
-                rt.streamSynchronize(p)   # (o is pageable; the call returns with the data in place)
-        return land
-
-    def _tagged_p2p(self, code, x, peer, tag, async_op, stream):
-        arg = "src" if code == RECV else "dst"
-        peer = self.host._root(peer, arg)
-        if peer == self.rank and not async_op:
-            raise invalid(arg, peer, f"another rank of the group (0..{self.size - 1}, not this rank "
-                          f"{self.rank}: a blocking {'recv from' if code == RECV else 'send to'} oneself "
-                          "would never complete; use async_op=True)")
-        if code != RECV:
-            return self.tagged.send(self._to_host(x, stream), peer, tag, async_op)
-        xa, xp, row, p = self._staged(x, "out", stream)
-        if xa is not x:
-            raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-        o = np.empty(tuple(xa.shape), row.dtype)
-        return self.tagged.recv(o, peer, tag, async_op, self._lander(xp, p), x)
-
-    def _tagged_sendrecv(self, x, dst, tag, async_op, stream, out, src):
-        h = self._to_host(x, stream)
-        if out is not None and not is_gpu_array(out):   # a host out=: received by MPI as it is
-            return self.tagged.sendrecv(h, dst, tag, async_op, out, src, None, out)
-        if out is None:
-            kind, _, a = self._family(x)
-            out = self._empty(kind, a, tuple(a.shape))()
-        oa, op_, row, p = self._staged(out, "out", stream)
-        if oa is not out:
-            raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-        o = np.empty(tuple(oa.shape), row.dtype)
-        return self.tagged.sendrecv(h, dst, tag, async_op, o, src, self._lander(op_, p), out)
 
     def barrier(self, async_op):
         return self.host.barrier(async_op)

@@ -47,9 +47,9 @@ def _torch_stream_for_cupy(device):
     else a CuPy ExternalStream of it (kept per handle)."""
     global _torch_raw
     if _torch_raw is None:
-        from .._backends.nccl import _torch_raw_stream
+        from .._backends.gpu_arrays import torch_raw_stream
 
-        _torch_raw = _torch_raw_stream()
+        _torch_raw = torch_raw_stream()
     import cupy as cp
 
     dev = int(device.split(":")[1])
