@@ -284,9 +284,11 @@ tcp_probe() {  # plain TCP between the hosts: gpuhost1 -> gpuhost2 over the veth
     cmd_exec "${HOSTS[1]}" "$PY" scripts/tcp_probe.py serve "$PREFIX.2" "$port" --timeout "$limit" >>"$LOG" 2>&1 &
     local server=$!
     # Blocking sockets, then busy-polling (as MPI and NCCL progress), then busy-polling with
-    # both ends on CPU 0 (what binding both hosts' first rank to core 0 does).
+    # both ends on the first CPU this machine lets us use (where Open MPI's default binding
+    # would put both hosts' first rank).
+    local cpu; cpu=$("$PY" -c 'import os; print(min(os.sched_getaffinity(0)))')
     timeout -k 5 "$limit" bash "$SELF" exec "${HOSTS[0]}" "$PY" scripts/tcp_probe.py client "$PREFIX.2" "$port" \
-        --iters "${TCP_ITERS:-200}" --poll --pin 0 >"$out" 2>&1
+        --iters "${TCP_ITERS:-200}" --poll --pin "$cpu" >"$out" 2>&1
     rc=$?
     wait "$server" || ((rc)) || rc=1
     cat "$out" >>"$LOG"
