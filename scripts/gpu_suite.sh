@@ -2,8 +2,11 @@
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
 #   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session]...
+#   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
+#                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
-# JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
+# JSON/plots under $OUT (default ./out); the rehearsal its own files in $OUT/rehearsal.
+# NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -211,6 +214,12 @@ if want session; then  # a short device budget: every GPU test file, the agreeme
         step "bench-capture-$a" 45 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_capture.py --array "$a" --rounds 20
         grep -a -A5 "^# bench_capture: " "$LOG" | tail -6 >>"$SUM"
     done
+fi
+if [[ " ${SECTIONS[*]} " == *" rehearsal "* ]]; then  # named only (not in "all"): it makes network namespaces as root
+    # Its summary: cores, MTU, offloads, plain TCP over the veth, the doctor's matrix, one line per step.
+    step "rehearsal-np$NGPU" 590 env OUT="$OUT/rehearsal" PY="$PY" NGPU="$NGPU" BUDGET_S="${BUDGET_S:-540}" \
+        bash scripts/gpu_cluster_rehearsal.sh run
+    sed 's/^/    /' "$OUT/rehearsal/cluster_summary.txt" >>"$SUM" 2>/dev/null
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"
