@@ -28,7 +28,8 @@
 # MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
 # (10.78.0), QUICK=1 (smaller sizes everywhere), BUDGET_S (540: later steps are skipped),
 # MPICOMM_REHEARSAL_GPU (auto: the GPU steps where 2 or more GPUs and CuPy are; 1 or 0 to choose),
-# NGPU (GPUs to split between the hosts), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace),
+# NGPU (how many GPUs to split between the hosts; which: CUDA_VISIBLE_DEVICES where set,
+# else nvidia-smi's), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace),
 # TCP_ITERS (200: round trips of the plain-TCP probe).
 #
 # Before the doctor's MPI/NCCL matrix, the run prints what decides the veth's speed (cores,
@@ -110,8 +111,28 @@ start_holders() {  # start_holders mount|plain: one holder per host; fails if an
     return $ok
 }
 
+gpu_list() {  # the GPUs to split, comma-separated: CUDA_VISIBLE_DEVICES where set, else nvidia-smi's
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        echo "${CUDA_VISIBLE_DEVICES// /}"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        local n; n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+        ((n > 0)) && seq -s, 0 $((n - 1))
+    fi
+    return 0
+}
+
 gpu_count() {
-    if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' ; else echo 0; fi
+    local list; list=$(gpu_list)
+    [[ -n $list ]] && echo "$list" | tr ',' '\n' | grep -c . || echo 0
+}
+
+host_half() {  # host_half 0|1 NGPU: the GPUs of gpuhost1 (0) or gpuhost2 (1), comma-separated
+    local -a all
+    IFS=, read -r -a all <<<"$(gpu_list)"
+    ((${#all[@]} >= $2)) || all=($(seq 0 $(($2 - 1))))   # NGPU given without a list
+    local half=$(($2 / 2))
+    local IFS=,
+    echo "${all[*]:$(($1 * half)):$half}"
 }
 
 cmd_up() {
@@ -179,8 +200,8 @@ EOF
             echo 'export CUDA_VISIBLE_DEVICES=   # the MPI steps: no rank sees a GPU'
         elif ((half > 0)); then
             echo 'case $(hostname) in'
-            echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) ;;"
-            echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(seq -s, "$half" $((2 * half - 1))) ;;"
+            echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(host_half 0 "$ngpu") ;;"
+            echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(host_half 1 "$ngpu") ;;"
             echo 'esac'
         fi
         echo 'exec "$@"'
@@ -406,7 +427,7 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
         expect_failure "fail-wrong-ifname" 90 "NCCL WARN|NcclError|NCCL error|no socket interface|not every rank" "${RUN[@]}" --timeout 45 \
             -x NCCL_SOCKET_IFNAME=eth9 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl --quick --collectives all_reduce
         printf '#!/bin/bash\ncase $(hostname) in %s) export CUDA_VISIBLE_DEVICES= ;; *) export CUDA_VISIBLE_DEVICES=%s ;; esac\nexec "$@"\n' \
-            "${HOSTS[1]}" "$(seq -s, 0 $((per - 1)))" >"$STATE/host_gpus_none"
+            "${HOSTS[1]}" "$(host_half 0 "$ngpu")" >"$STATE/host_gpus_none"
         chmod 755 "$STATE/host_gpus_none"
         expect_failure "fail-no-gpus-on-host2" 90 "PROBLEM" "${RUN[@]}" --timeout 45 \
             "$STATE/host_gpus_none" "$PY" -m mpi4py -m mpicomm.tools.doctor

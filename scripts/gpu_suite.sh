@@ -217,15 +217,17 @@ if want session; then  # a short device budget: every GPU test file, the agreeme
         grep -a -A5 "^# bench_capture: " "$LOG" | tail -6 >>"$SUM"
     done
 fi
+# The rehearsal splits CUDA_VISIBLE_DEVICES' GPUs where it is set, else all of them.
+RGPU=$NGPU; [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && RGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 if [[ " ${SECTIONS[*]} " == *" rehearsal "* ]]; then  # named only (not in "all"): it makes network namespaces as root
     # Its summary: cores, MTU, offloads, plain TCP over the veth, the doctor's matrix, one line per step.
-    step "rehearsal-np$NGPU" 590 env OUT="$OUT/rehearsal" PY="$PY" NGPU="$NGPU" BUDGET_S="${BUDGET_S:-540}" \
+    step "rehearsal-gpus$RGPU" 590 env OUT="$OUT/rehearsal" PY="$PY" NGPU="$RGPU" BUDGET_S="${BUDGET_S:-540}" \
         bash scripts/gpu_cluster_rehearsal.sh run
     sed 's/^/    /' "$OUT/rehearsal/cluster_summary.txt" >>"$SUM" 2>/dev/null
 fi
 if [[ " ${SECTIONS[*]} " == *" rehearsal-bind "* ]]; then  # named only: the rehearsal's hosts, doctor --net with Open MPI's default binding, then --bind-to none
     R=scripts/gpu_cluster_rehearsal.sh
-    if H=$(PER_HOST=$((NGPU / 2 > 0 ? NGPU / 2 : 2)) NGPU="$NGPU" PY="$PY" bash "$R" up 2>>"$LOG" | tail -1) && [ -f "$H" ]; then
+    if H=$(PER_HOST=$((RGPU / 2 > 0 ? RGPU / 2 : 2)) NGPU="$RGPU" PY="$PY" bash "$R" up 2>>"$LOG" | tail -1) && [ -f "$H" ]; then
         bash "$R" exec gpuhost1 "$PY" scripts/tcp_probe.py facts mpc0 >>"$SUM" 2>&1
         for b in default none; do
             bind=(); [ "$b" = none ] && bind=(--bind-to none)
