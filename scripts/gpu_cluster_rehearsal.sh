@@ -28,7 +28,15 @@
 # MPICOMM_REHEARSAL_STATE (default /run/mpicomm-rehearsal), MPICOMM_REHEARSAL_PREFIX
 # (10.78.0), QUICK=1 (smaller sizes everywhere), BUDGET_S (540: later steps are skipped),
 # MPICOMM_REHEARSAL_GPU (auto: the GPU steps where 2 or more GPUs and CuPy are; 1 or 0 to choose),
-# NGPU (GPUs to split between the hosts), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace).
+# NGPU (how many GPUs to split between the hosts; which: CUDA_VISIBLE_DEVICES where set,
+# else nvidia-smi's), MPICOMM_REHEARSAL_MOUNT=0 (no mount namespace),
+# TCP_ITERS (200: round trips of the plain-TCP probe).
+#
+# Before the doctor's MPI/NCCL matrix, the run prints what decides the veth's speed (cores,
+# CPU quota, MTU, offloads) and plain TCP between the hosts (scripts/tcp_probe.py): blocking,
+# busy-polling, and busy-polling with both ends on one CPU. Every job is launched with
+# --bind-to none: each host's Open MPI daemon would bind its first rank to core 0, the same
+# core for both hosts on this one machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -103,8 +111,28 @@ start_holders() {  # start_holders mount|plain: one holder per host; fails if an
     return $ok
 }
 
+gpu_list() {  # the GPUs to split, comma-separated: CUDA_VISIBLE_DEVICES where set, else nvidia-smi's
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        echo "${CUDA_VISIBLE_DEVICES// /}"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        local n; n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+        ((n > 0)) && seq -s, 0 $((n - 1))
+    fi
+    return 0
+}
+
 gpu_count() {
-    if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' ; else echo 0; fi
+    local list; list=$(gpu_list)
+    [[ -n $list ]] && echo "$list" | tr ',' '\n' | grep -c . || echo 0
+}
+
+host_half() {  # host_half 0|1 NGPU: the GPUs of gpuhost1 (0) or gpuhost2 (1), comma-separated
+    local -a all
+    IFS=, read -r -a all <<<"$(gpu_list)"
+    ((${#all[@]} >= $2)) || all=($(seq 0 $(($2 - 1))))   # NGPU given without a list
+    local half=$(($2 / 2))
+    local IFS=,
+    echo "${all[*]:$(($1 * half)):$half}"
 }
 
 cmd_up() {
@@ -172,8 +200,8 @@ EOF
             echo 'export CUDA_VISIBLE_DEVICES=   # the MPI steps: no rank sees a GPU'
         elif ((half > 0)); then
             echo 'case $(hostname) in'
-            echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) ;;"
-            echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(seq -s, "$half" $((2 * half - 1))) ;;"
+            echo "    ${HOSTS[0]}) export CUDA_VISIBLE_DEVICES=$(host_half 0 "$ngpu") ;;"
+            echo "    ${HOSTS[1]}) export CUDA_VISIBLE_DEVICES=$(host_half 1 "$ngpu") ;;"
             echo 'esac'
         fi
         echo 'exec "$@"'
@@ -269,6 +297,28 @@ expect_failure() {  # expect_failure NAME LIMIT_S PATTERN CMD...: must fail; its
     [[ $rc != 0 ]]
 }
 
+tcp_probe() {  # plain TCP between the hosts: gpuhost1 -> gpuhost2 over the veth, into the summary
+    local limit; limit=$(budget_limit "tcp-probe" 90) || return 1
+    local t0=$SECONDS rc port=18517 out
+    out=$(mktemp)
+    echo "======== tcp-probe (limit ${limit}s)" >>"$LOG"
+    cmd_exec "${HOSTS[1]}" "$PY" scripts/tcp_probe.py serve "$PREFIX.2" "$port" --timeout "$limit" >>"$LOG" 2>&1 &
+    local server=$!
+    # Blocking sockets, then busy-polling (as MPI and NCCL progress), then busy-polling with
+    # both ends on the first CPU this machine lets us use (where Open MPI's default binding
+    # would put both hosts' first rank).
+    local cpu; cpu=$("$PY" -c 'import os; print(min(os.sched_getaffinity(0)))')
+    timeout -k 5 "$limit" bash "$SELF" exec "${HOSTS[0]}" "$PY" scripts/tcp_probe.py client "$PREFIX.2" "$port" \
+        --iters "${TCP_ITERS:-200}" --poll --pin "$cpu" >"$out" 2>&1
+    rc=$?
+    wait "$server" || ((rc)) || rc=1
+    cat "$out" >>"$LOG"
+    printf '%-30s rc=%-3s %4ss\n' "tcp-probe" "$rc" "$((SECONDS - t0))" | tee -a "$SUM"
+    sed 's/^/    /' "$out" | tee -a "$SUM"
+    rm -f "$out"
+    return $rc
+}
+
 cmd_run() {
     OUT=${OUT:-$ROOT/out}
     BUDGET_S=${BUDGET_S:-540}   # steps that would start later are skipped (the lent machine's limit)
@@ -298,7 +348,14 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     } >>"$SUM" 2>&1
     local gpu=0 backend=mpi
     case ${MPICOMM_REHEARSAL_GPU:-auto} in
-        auto) if ((ngpu >= 2)) && "$PY" -c "import cupy" 2>/dev/null; then gpu=1; fi ;;
+        auto)
+            if ((ngpu < 2)); then
+                echo "GPU steps: need 2 GPUs or more (one per host), found $ngpu: running the MPI steps" | tee -a "$SUM"
+            elif ! "$PY" -c "import cupy" 2>/dev/null; then
+                echo "GPU steps: $ngpu GPUs but no CuPy for $PY: running the MPI steps" | tee -a "$SUM"
+            else
+                gpu=1
+            fi ;;
         1) gpu=1 ;;
         0) gpu=0 ;;
         *) die "MPICOMM_REHEARSAL_GPU=${MPICOMM_REHEARSAL_GPU}: expected auto, 1 (GPU steps) or 0 (MPI steps)" ;;
@@ -317,13 +374,25 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
 
     # mpicomm-run on the first host, the hostfile naming both; every rank starts through
     # host_gpus (its host's GPUs), then Python under mpi4py (an exception ends the job).
+    # --bind-to none: each host's Open MPI daemon takes itself for a whole machine and binds
+    # its first rank to core 0 (at 2 ranks Open MPI binds to cores), so the two hosts' ranks
+    # would share one core of this machine; busy-polling there, every message waits for the
+    # scheduler (4 ms per 8-byte message measured; the probe below shows it with plain TCP).
     local -a RUN=(bash "$SELF" exec "${HOSTS[0]}" "$PY" -m mpicomm.launch --hostfile "$STATE/hostfile" -n "$np"
-                  -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED)
+                  --bind-to none -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED)
     local -a PYR=("$STATE/host_gpus" "$PY" -m mpi4py)
     local -a PYT=(-m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi -x)
     local q=${QUICK:-0}
 
+    # What decides the speed of the veth path, then plain TCP over it (no MPI, no NCCL), then
+    # the doctor's MPI/NCCL matrix over the same pair: compare the cross-host rows.
+    {
+        echo "ranks: $np ($per per host), launched with --bind-to none; cores: $(nproc)"
+        cmd_exec "${HOSTS[0]}" "$PY" scripts/tcp_probe.py facts "$IFNAME" 2>&1
+    } | tee -a "$SUM"
+    tcp_probe
     step "doctor-net" 150 "${RUN[@]}" --timeout 140 "${PYR[@]}" -m mpicomm.tools.doctor --net
+    grep -a -A6 '^network: ' "$LOG" | grep -a -E '^(network|host a|gpuhost)' | tail -5 | tee -a "$SUM"
     if ((gpu)); then
         step "gpu-tests-np$np" 240 "${RUN[@]}" --timeout 230 "${PYR[@]}" "${PYT[@]}" tests/test_gpu.py
     else
@@ -357,8 +426,8 @@ except Exception as e: print('no cupy/nccl:', type(e).__name__, e)"
     if ((gpu)); then
         expect_failure "fail-wrong-ifname" 90 "NCCL WARN|NcclError|NCCL error|no socket interface|not every rank" "${RUN[@]}" --timeout 45 \
             -x NCCL_SOCKET_IFNAME=eth9 "${PYR[@]}" -m mpicomm.tools.smoke --backend nccl --quick --collectives all_reduce
-        printf '#!/bin/bash\ncase $(hostname) in %s) export CUDA_VISIBLE_DEVICES= ;; *) export CUDA_VISIBLE_DEVICES=0,1 ;; esac\nexec "$@"\n' \
-            "${HOSTS[1]}" >"$STATE/host_gpus_none"
+        printf '#!/bin/bash\ncase $(hostname) in %s) export CUDA_VISIBLE_DEVICES= ;; *) export CUDA_VISIBLE_DEVICES=%s ;; esac\nexec "$@"\n' \
+            "${HOSTS[1]}" "$(host_half 0 "$ngpu")" >"$STATE/host_gpus_none"
         chmod 755 "$STATE/host_gpus_none"
         expect_failure "fail-no-gpus-on-host2" 90 "PROBLEM" "${RUN[@]}" --timeout 45 \
             "$STATE/host_gpus_none" "$PY" -m mpi4py -m mpicomm.tools.doctor

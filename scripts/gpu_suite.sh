@@ -2,8 +2,13 @@
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
 #   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall]...
+#   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
+#                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
+#   scripts/gpu_suite.sh rehearsal-bind   (only when named; root) its hosts' doctor --net with Open
+#                                    MPI's default binding, then with --bind-to none
 # Writes gpu_log.txt (everything), gpu_summary.txt (one line per step) and the bench
-# JSON/plots under $OUT (default ./out). NCCL_NVLS_ENABLE=0 stays set for every child.
+# JSON/plots under $OUT (default ./out); the rehearsal its own files in $OUT/rehearsal.
+# NCCL_NVLS_ENABLE=0 stays set for every child.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -220,6 +225,32 @@ if want percall; then  # where a call's time goes (scripts/profile_percall.py), 
             grep -a -A22 "^# profile_percall" "$LOG" | tail -23 >>"$SUM"
         done
     done
+fi
+# The rehearsal splits CUDA_VISIBLE_DEVICES' GPUs where it is set, else all of them.
+RGPU=$NGPU; [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && RGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+if [[ " ${SECTIONS[*]} " == *" rehearsal "* ]]; then  # named only (not in "all"): it makes network namespaces as root
+    # Its summary: cores, MTU, offloads, plain TCP over the veth, the doctor's matrix, one line per step.
+    step "rehearsal-gpus$RGPU" 590 env OUT="$OUT/rehearsal" PY="$PY" NGPU="$RGPU" BUDGET_S="${BUDGET_S:-540}" \
+        bash scripts/gpu_cluster_rehearsal.sh run
+    sed 's/^/    /' "$OUT/rehearsal/cluster_summary.txt" >>"$SUM" 2>/dev/null
+fi
+if [[ " ${SECTIONS[*]} " == *" rehearsal-bind "* ]]; then  # named only: the rehearsal's hosts, doctor --net with Open MPI's default binding, then --bind-to none
+    R=scripts/gpu_cluster_rehearsal.sh
+    if H=$(PER_HOST=$((RGPU / 2 > 0 ? RGPU / 2 : 2)) NGPU="$RGPU" PY="$PY" bash "$R" up 2>>"$LOG" | tail -1) && [ -f "$H" ]; then
+        bash "$R" exec gpuhost1 "$PY" scripts/tcp_probe.py facts mpc0 >>"$SUM" 2>&1
+        for b in default none; do
+            bind=(); [ "$b" = none ] && bind=(--bind-to none)
+            at=$(wc -l <"$LOG")
+            step "rehearsal-doctor-net-bind-$b" 150 bash "$R" exec gpuhost1 "$PY" -m mpicomm.launch --hostfile "$H" \
+                -n $(($(grep -c slots= "$H") * $(grep -o 'slots=[0-9]*' "$H" | head -1 | cut -d= -f2))) "${bind[@]}" \
+                --timeout 140 "$(dirname "$H")/host_gpus" "$PY" -m mpi4py -m mpicomm.tools.doctor --net
+            tail -n +$((at + 1)) "$LOG" | grep -a -A6 '^network: ' | grep -a -E '^(host a|gpuhost)' | sed 's/^/    /' >>"$SUM"
+            tail -n +$((at + 1)) "$LOG" | grep -a '^warning: ranks .* bound to CPU' | cut -c1-160 | sed 's/^/    /' >>"$SUM"
+        done
+        bash "$R" down
+    else
+        echo "rehearsal-bind: the hosts did not come up; see $LOG" | tee -a "$SUM"
+    fi
 fi
 (cd "$RES" && tar czf "$OUT/results.tgz" . ) && rm -rf "$RES"
 echo "done" >>"$SUM"

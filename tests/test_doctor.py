@@ -92,6 +92,38 @@ def test_root_is_a_warning_only():
                         "--allow-run-as-root (mpicomm-run adds it)"]
 
 
+def _bound(rows, machine, cpus_of, total=16):
+    for row in rows:
+        row.update(machine_id=machine(row), cpus=cpus_of(row), machine_cpus=total)
+    return rows
+
+
+def test_two_hosts_of_one_machine_bound_to_one_core_is_a_warning():
+    # The rehearsal's hosts before --bind-to none: each launcher put its first rank on core 0.
+    rows = _bound([rank_row(0, "gpuhost1", 0), rank_row(1, "gpuhost2", 0)],
+                  lambda r: "boot-a", lambda r: [0])
+    problems, warnings = doctor.diagnose(rows)
+    assert problems == []
+    assert warnings == [
+        "ranks 0, 1 are all bound to CPU 0 of one machine (hosts gpuhost1, gpuhost2 share its "
+        "boot id: each host's launcher bound its ranks as if it were alone): 2 ranks on "
+        "1 CPU(s); ranks that busy-poll for messages on a shared CPU wait for the scheduler on "
+        "every message (milliseconds each); launch with --bind-to none (mpicomm-run --bind-to "
+        "none) or give each rank its own cores"]
+
+
+def test_bindings_that_fit_are_fine():
+    one_core_each = _bound(healthy(), lambda r: "boot-" + r["host"], lambda r: [r["local_rank"]])
+    socket_wide = _bound(healthy(), lambda r: "boot-" + r["host"], lambda r: list(range(8)))
+    unbound = _bound(healthy(), lambda r: "boot-a", lambda r: list(range(16)))
+    # Two real machines each binding its rank 0 to core 0: different boot ids.
+    two_machines = _bound([rank_row(0, "n1", 0), rank_row(1, "n2", 0)],
+                          lambda r: "boot-" + r["host"], lambda r: [0])
+    for rows in (one_core_each, socket_wide, unbound, two_machines):
+        assert doctor.diagnose(rows) == ([], [])
+    assert doctor._cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
 def test_table_shows_dash_for_missing_gpu_fields():
     row = rank_row(0, "cpu1", 0, visible=[], nccl=None, cupy=None)
     lines = doctor.format_table([row]).splitlines()

@@ -7,7 +7,9 @@ library, CUDA-aware MPI, NCCL and CuPy versions), then the problems found.
 
 Exit status 1 on a serious problem: two ranks on one GPU, more ranks on a host than
 GPUs, versions that differ between hosts, ranks that would pick different backends,
-GPUs without NCCL. Running as root is only a warning. ``--json`` prints the same as one
+GPUs without NCCL. Running as root is only a warning, and so are more ranks than CPUs bound
+to the same CPUs of one machine (e.g. two "hosts" in namespaces or containers of one machine,
+each of whose launchers bound its first rank to core 0). ``--json`` prints the same as one
 JSON object.
 
 ``--net`` adds a timed matrix between every pair of hosts: the lowest rank of each host
@@ -103,6 +105,56 @@ def _cuda_aware(MPI):
     return "yes" if "true" in values else "no"
 
 
+def _read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _cpu_list(cpus):
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def shared_binding(rows):
+    """Warnings for ranks of one machine bound to fewer CPUs than there are ranks on them.
+
+    Ranks with the same machine id (the kernel's boot id: two host names in namespaces or
+    containers of one machine share it) and the same CPU set, smaller than the machine's
+    CPUs (a binding), more ranks than CPUs in it.
+    """
+    groups = {}
+    for row in rows:
+        cpus, machine, total = row.get("cpus"), row.get("machine_id"), row.get("machine_cpus")
+        if not cpus or not machine or not total or len(cpus) >= total:
+            continue
+        groups.setdefault((machine, tuple(cpus)), []).append(row)
+    warnings = []
+    for (_, cpus), group in groups.items():
+        if len(group) <= len(cpus):
+            continue
+        hosts = sorted({r["host"] for r in group})
+        where = (f"on host {hosts[0]}" if len(hosts) == 1 else
+                 f"of one machine (hosts {', '.join(hosts)} share its boot id: each host's "
+                 f"launcher bound its ranks as if it were alone)")
+        warnings.append(
+            f"ranks {_ranks(group)} are all bound to CPU {_cpu_list(list(cpus))} {where}: "
+            f"{len(group)} ranks on {len(cpus)} CPU(s); ranks that busy-poll for messages on "
+            f"a shared CPU wait for the scheduler on every message (milliseconds each); "
+            f"launch with --bind-to none (mpicomm-run --bind-to none) or give each rank its "
+            f"own cores")
+    return warnings
+
+
 def collect(comm=None):
     """This rank's facts as a dict (call on every rank; uses a shared-memory split)."""
     import mpi4py
@@ -134,6 +186,11 @@ def collect(comm=None):
         "cuda_aware": cuda_aware,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "mpicomm": mpicomm_version,
+        # Which machine (two host names can be one machine: namespaces, containers) and the
+        # CPUs this rank may run on (its binding).
+        "machine_id": _read_text("/proc/sys/kernel/random/boot_id"),
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "machine_cpus": os.cpu_count(),
     }
     facts.update(_gpu_facts(local_rank))
     facts["backend"] = "nccl" if facts["gpu_count"] and facts["nccl"] else "mpi"
@@ -200,6 +257,7 @@ def diagnose(rows):
                         f"a GPU with NCCL, or choose the backend explicitly "
                         f"(mpicomm.init(backend='mpi'))")
 
+    warnings.extend(shared_binding(rows))
     root_hosts = sorted({r["host"] for r in rows if r.get("euid") == 0})
     if root_hosts:
         warnings.append(f"running as root on {', '.join(root_hosts)}: fine in a container; "
