@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|capture]...
 #   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
 #                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
 #   scripts/gpu_suite.sh rehearsal-bind   (only when named; root) its hosts' doctor --net with Open
@@ -216,6 +216,10 @@ if want session; then  # a short device budget: every GPU test file, the agreeme
         step "bench-capture-$a" 45 "${MPI[@]}" "$NGPU" "$PY" scripts/bench_capture.py --array "$a" --rounds 20
         grep -a -A5 "^# bench_capture: " "$LOG" | tail -6 >>"$SUM"
     done
+fi
+if want capture; then  # a DDP training step captured in one CUDA graph, replayed and checked
+    step "capture-ddp-np2" 120 env CUDA_VISIBLE_DEVICES=0,1 "${MPI[@]}" 2 -x CUDA_VISIBLE_DEVICES "$PY" scripts/capture_ddp.py
+    grep -a -E "^# capture_ddp|^# replayed|capture failed|Error" "$LOG" | tail -6 >>"$SUM"
 fi
 if want percall; then  # where a call's time goes (scripts/profile_percall.py), CuPy and PyTorch; BASE=dir: also that tree's mpicomm
     for a in cupy torch; do
