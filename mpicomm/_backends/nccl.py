@@ -17,7 +17,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
-from .gpu_arrays import GPUArrays, overlap, prod
+from .gpu_arrays import GPUArrays, nbytes, overlap, prod
 from .nccl_layouts import LAYOUTS
 from .nccl_tagged import StagedTags
 from .capture import current_capturing, stream_capturing
@@ -472,20 +472,20 @@ class NCCLTransport(GPUArrays, StagedTags):
         kind, row, a = self._family(x)
         bind = self._binder(kind)
         xa, xp = bind(x)
+        ptr = self._ptr(kind)
         if out is None:
             o = self._empty(kind, a, tuple(a.shape))()
-            res = o
+            res, op_ = o, ptr(o)
         else:
             okind, orow, _ = self._family(out, "out")
-            o, _ = self._binder(okind)(out, "out")
+            o, op_ = self._binder(okind)(out, "out")
             if o is not out:
                 raise invalid("out", "a non-contiguous array", "a C-contiguous array")
             res = out
             row_o = orow
-        op_ = o.data_ptr() if kind == "torch" else o.data.ptr
-        if op_ == xp:   # the same buffer: send a copy
-            xa = xa.clone() if kind == "torch" else xa.copy()
-            xp = xa.data_ptr() if kind == "torch" else xa.data.ptr
+        if op_ == xp or overlap(op_, nbytes(o, "torch" if is_torch(o) else "cupy"), xp, nbytes(xa, kind)):
+            xa = xa.clone() if kind == "torch" else xa.copy()   # out shares memory with x: send a copy
+            xp = ptr(xa)
         p, st = self._streamer(stream, kind)()
         scount = (int(xa.size) if kind != "torch" else xa.numel()) * row.nccl_scale
         ro = row if out is None else row_o
