@@ -25,7 +25,7 @@ from .base import IN_PLACE, NEW, OUT, Backend, DoneWork, Prepared, role_of
 from .mpi_common import F32, MPIWork, address, as_host, divisor, plain_out
 from .mpi_p2p import PointToPoint
 from .mpi_sized import SizedCalls
-from .shm import ShmPath
+from .shm_path import ShmPath
 
 _AVG = ReduceOp.AVG
 _FILLS = "broadcast fills x in place"
