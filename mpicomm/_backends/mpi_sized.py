@@ -177,7 +177,7 @@ class SizedCalls(HostSteps):
         return run
 
     def _prepare_all_gather_v(self, x, out, arg, async_op, stream):
-        sizes = arg[1]
+        sizes = arg.sizes
         xh, _ = as_host(x)
         self._axis0(xh, "all_gather")
         row = of_numpy(xh.dtype)
@@ -337,7 +337,7 @@ class SizedCalls(HostSteps):
     def _prepare_scatter_part(self, x, out, arg, async_op, stream, root):
         """scatter away from the root: the front made sure there is an out= (given, or made from
         the root's facts); x is out there (not read)."""
-        sizes, rank, comm = arg[1], self.rank, self.comm
+        sizes, rank, comm = arg.sizes, self.rank, self.comm
         h, _ = to_host(out, "out")
         o, wb = host_out(out, h.shape, h.dtype, None, "out")
         self._axis0(o, "scatter", "out.shape")
