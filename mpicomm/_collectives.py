@@ -287,7 +287,7 @@ class P2POp:
             tag = _check_tag(tag)
         self.op, self.array, self.peer, self.group, self.tag = op, array, peer, group, tag
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"P2POp({self.op}, peer={self.peer}, group={self.group!r}, tag={self.tag})"
 
 
@@ -308,7 +308,7 @@ def batch_isend_irecv(ops: list[P2POp] | tuple[P2POp, ...]) -> list[Work]:
 _TAG_UB: list[int] = []   # MPI's TAG_UB, the largest tag (at least 32767), once looked up
 
 
-def _tag_ub():
+def _tag_ub() -> int | None:
     """MPI's largest tag (the TAG_UB attribute of the world); None before init."""
     if not _TAG_UB:
         if not CTX.initialized:   # (importing mpi4py.MPI here would start MPI)
@@ -320,7 +320,7 @@ def _tag_ub():
     return _TAG_UB[0]
 
 
-def _check_tag(tag):
+def _check_tag(tag: Any) -> int:
     """``tag`` as an int in 0..TAG_UB, else InvalidArgumentError naming it, on the calling rank
     before anything is sent. mpicomm has no wildcard: -1 is refused, never MPI's ANY_TAG.
     (Before init, where TAG_UB is unknown, only the type and sign are checked.)"""

@@ -4,7 +4,7 @@ the same name in mpicomm._collectives.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from .errors import invalid
 
 
 class _Op:
-    def __repr__(self):
+    def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({args})"
 
@@ -112,7 +112,7 @@ class AlltoAll(_Op):
         return xp.concat(parts, cd)
 
 
-def _check_split_count(split_count, group):
+def _check_split_count(split_count: int, group: str | None) -> int:
     n = get_group(group).size
     if split_count != n:
         raise invalid("split_count", split_count, f"the group size {n} (MindSpore's AlltoAll sends one part "
@@ -123,7 +123,11 @@ def _check_split_count(split_count, group):
 class _ArrayNS:
     """moveaxis / concatenate / contiguous for NumPy, CuPy and PyTorch arrays."""
 
-    def __init__(self, x):
+    moveaxis: Callable[..., Any]
+    contiguous: Callable[..., Any]
+    concat: Callable[..., Any]
+
+    def __init__(self, x: Any) -> None:
         mod = type(x).__module__.split(".")[0]
         if mod == "torch":
             import torch
@@ -131,9 +135,11 @@ class _ArrayNS:
             self.moveaxis, self.contiguous = torch.movedim, (lambda a: a.contiguous())
             self.concat = lambda parts, d: torch.cat(parts, d)
         else:
-            xp = np
+            xp: Any = np
             if mod == "cupy":
-                import cupy as xp
+                import cupy
+
+                xp = cupy
             self.moveaxis, self.contiguous = xp.moveaxis, xp.ascontiguousarray
             self.concat = lambda parts, d: xp.concatenate(parts, d)
 

@@ -208,7 +208,7 @@ class Work:
 
     __slots__ = ("_result", "_done", "_what", "_group", "_seq", "_post", "_watch", "__weakref__")
 
-    default_timeout = None          # set by init: the group's timeout (None: no limit)
+    default_timeout: float | None = None   # set by init: the group's timeout (None: no limit)
 
     def __init__(self, result, what, post=None):
         self._result = result
