@@ -5,8 +5,8 @@ private name (``from .. import _collectives``) from outside its own package. Rea
 ``ast``; nothing is imported or run.
 
 What the core offers instead: the public functions and the object collectives
-(``all_gather_object``, ``broadcast_object``: watched like every collective) for host
-exchanges; DistributedGradReducer's step API (``pending``, ``launched``, ``ready_from``,
+(``all_gather_object``, ``broadcast_object``; for a per-step exchange of a few numbers,
+``_objects.all_gather_small``: all watched like every collective) for host exchanges; DistributedGradReducer's step API (``pending``, ``launched``, ``ready_from``,
 ``replan``, ``side_stream``, ``direct_overlap``) for the torch wrapper; the array families'
 ``lib()``; ``_reliability.agreement.set_checking(on, group)`` for the bench.
 """

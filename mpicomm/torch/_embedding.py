@@ -29,7 +29,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-from .. import all_gather, all_gather_object
+from .. import all_gather
+from .._objects import all_gather_small
 from .._state import CTX
 from ..errors import invalid
 from ..training.families import TORCH
@@ -168,7 +169,7 @@ class EmbeddingGather:
             return None
         ids = args[0] if args else kwargs.get("input")
         # every rank decides alike: from the group's id counts, exchanged on the host
-        counts = all_gather_object(int(ids.numel()), group=ctx.group)
+        counts = all_gather_small(int(ids.numel()), group=ctx.group)
         if self.mode == "auto" and sum(counts) > mod.num_embeddings:
             return None
         call = _Call(self, i, mod, ids.detach(), counts)
