@@ -3,6 +3,8 @@
 This module defines the public API. Importing it does not initialise MPI, touch a
 GPU, install hooks or print: call :func:`init` first, under ``mpirun``.
 """
+from typing import Any
+
 from ._collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, recv, reduce, reduce_scatter,
                            send)
 from ._collectives import P2POp, batch, batch_isend_irecv, gather, scatter, sendrecv
@@ -31,7 +33,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     import importlib
 
     if name == "ops":  # MindSpore-style operators: mpicomm.ops.AllGather, as mindspore.ops

@@ -19,7 +19,7 @@ from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, RECV, 
 from ._backends.base import Work, track
 from ._state import CTX, get_group
 from ._typing import ArrayLike, Stream
-from ._sizes import early, raise_, root_of, sized, splits
+from ._sizes import ScatterFacts, early, raise_, root_of, sized, splits
 from .errors import invalid
 
 # These functions are the first step of every call: the group look-up is written out
@@ -215,16 +215,17 @@ def scatter(x: ArrayLike | None, root: int = 0, out: ArrayLike | None = None,
         g = get_group(group)
     root = early(g, SCATTER, root_of, g, root)
     arg = early(g, SCATTER, sized, g, SCATTER, x if g.rank == root else out, root, sizes)
+    made = arg.out if arg.__class__ is ScatterFacts else None   # out made from the root's facts
     if g.rank != root:
         if out is None:
-            if arg[2] is None:
+            if made is None:
                 early(g, SCATTER, raise_, invalid("out", None, f"an array of this rank's part of the root's x (its shape and dtype) "
                               f"on every rank but the root {root}, or sizes='auto' on every rank (rank {g.rank})"))
-            out = arg[2]     # made from the root's facts, exchanged
+            out = made       # made from the root's facts, exchanged
         # x is not read here: out stands in for it, so a repeated call reuses its prepared call
         x = out
-    if arg.__class__ is not Sized or arg[2] is not None:
-        arg = Sized((root, arg[1], None))
+    if arg.__class__ is not Sized:
+        arg = Sized(root, arg.sizes)
     return g.call(SCATTER, x, out, arg, async_op, stream)
 
 
@@ -286,7 +287,7 @@ class P2POp:
             tag = _check_tag(tag)
         self.op, self.array, self.peer, self.group, self.tag = op, array, peer, group, tag
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"P2POp({self.op}, peer={self.peer}, group={self.group!r}, tag={self.tag})"
 
 
@@ -307,7 +308,7 @@ def batch_isend_irecv(ops: list[P2POp] | tuple[P2POp, ...]) -> list[Work]:
 _TAG_UB: list[int] = []   # MPI's TAG_UB, the largest tag (at least 32767), once looked up
 
 
-def _tag_ub():
+def _tag_ub() -> int | None:
     """MPI's largest tag (the TAG_UB attribute of the world); None before init."""
     if not _TAG_UB:
         if not CTX.initialized:   # (importing mpi4py.MPI here would start MPI)
@@ -319,7 +320,7 @@ def _tag_ub():
     return _TAG_UB[0]
 
 
-def _check_tag(tag):
+def _check_tag(tag: Any) -> int:
     """``tag`` as an int in 0..TAG_UB, else InvalidArgumentError naming it, on the calling rank
     before anything is sent. mpicomm has no wildcard: -1 is refused, never MPI's ANY_TAG.
     (Before init, where TAG_UB is unknown, only the type and sign are checked.)"""

@@ -149,7 +149,7 @@ class Dispatcher(AgreementPaths):
                         self.differs(seq, code, j, pw)
         m[b + AT_DONE] = v
         if async_op:
-            r._what = r._what[:3] + (self.group, seq)
+            r._group, r._seq = self.group, seq
             r._watch = self.watch
         return r
 
@@ -215,7 +215,7 @@ class Dispatcher(AgreementPaths):
                     self.differs(seq, code, j, pw)
         m[b + AT_DONE] = v
         if async_op:
-            r._what = r._what[:3] + (self.group, seq)
+            r._group, r._seq = self.group, seq
             r._watch = self.watch
         return r
 
@@ -252,7 +252,7 @@ class Dispatcher(AgreementPaths):
     def barrier(self, async_op):
         r = self.watched(BARRIER, lambda: self.transport.barrier(async_op))
         if async_op:
-            r._what = r._what[:3] + (self.group, self.seq)
+            r._group, r._seq = self.group, self.seq
             r._watch = self.watch
         return r
 

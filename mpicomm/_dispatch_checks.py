@@ -256,7 +256,7 @@ class AgreementPaths:
         if code == BROADCAST:
             arg = root
         elif code in (GATHER, SCATTER):
-            arg = Sized((root, None, None))
+            arg = Sized(root, None)
         elif code == REDUCE:
             arg = (spec.op, root)
         count = c * n if (code == SCATTER and me == root) else c

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from . import _ops
 from ._backends.base import HostCall
 from ._ops import ALL_GATHER, BROADCAST, RECV, REDUCE, SEND
-from ._state import CTX, get_group
+from ._state import CTX, Group, get_group
 from .errors import invalid
 
 # smaller buffers go inside the pickle (one message is cheaper than two): pkl5's own threshold
@@ -34,7 +34,7 @@ _ERR = "mpicomm-pickle-error"
 _CACHE: dict[int, Any] = {}   # id(group) -> (its MPI communicator, the pkl5 view of it)
 
 
-def _pkl(g):
+def _pkl(g: Group) -> Any:
     c = _CACHE.get(id(g))
     if c is None or c[0] is not g.mpi_comm:
         from mpi4py.util import pkl5
@@ -43,7 +43,7 @@ def _pkl(g):
     return c[1]
 
 
-def _meet(g):
+def _meet(g: Group) -> None:
     """Before the group's first gather, scatter or all_gather of objects: a barrier, inside
     the watched call. pkl5 makes its own duplicate of the communicator at its first such
     call (MPI_Comm_dup, which mpi4py runs holding the GIL): a rank that came late would
@@ -55,12 +55,12 @@ def _meet(g):
         c[2] = True
 
 
-def _dump(obj, rank, arg="obj"):
+def _dump(obj: Any, rank: int, arg: str = "obj") -> tuple:
     """What a rank sends for ``obj``: ``(pickle, [out-of-band buffers])`` as PickleBuffers,
     or an error note ``(_ERR, rank, arg, message)`` when ``obj`` cannot be pickled."""
     bufs = []
 
-    def oob(b):
+    def oob(b: pickle.PickleBuffer) -> bool:
         if b.raw().nbytes < _OOB_MIN:
             return True              # in-band
         bufs.append(b)
@@ -73,16 +73,16 @@ def _dump(obj, rank, arg="obj"):
     return (pickle.PickleBuffer(data), bufs)
 
 
-def _load(msg):
+def _load(msg: Any) -> Any:
     data, bufs = msg
     return pickle.loads(data, buffers=bufs)
 
 
-def _is_err(msg):
+def _is_err(msg: Any) -> bool:
     return len(msg) == 4 and msg[0] == _ERR
 
 
-def _raise(msgs):
+def _raise(msgs: Sequence[Any]) -> None:
     """Raise, alike on every rank that has ``msgs``, for the first error note among them."""
     for m in msgs:
         if m is not None and _is_err(m):
@@ -90,7 +90,7 @@ def _raise(msgs):
             raise invalid(arg, what, "a picklable object (pickle.dumps(obj, protocol=5) must work)", rank)
 
 
-def _root(root, g):
+def _root(root: Any, g: Group) -> int:
     if isinstance(root, bool) or not isinstance(root, int) and not hasattr(root, "__index__"):
         raise invalid("root", root, f"a group rank in 0..{g.size - 1}")
     try:
@@ -102,7 +102,7 @@ def _root(root, g):
     return r
 
 
-def _peer(peer, g, arg):
+def _peer(peer: Any, g: Group, arg: str) -> int:
     if isinstance(peer, bool) or not hasattr(peer, "__index__") or not 0 <= int(peer.__index__()) < g.size:
         raise invalid(arg, peer, f"a group rank in 0..{g.size - 1}")
     peer = int(peer.__index__())
@@ -112,7 +112,7 @@ def _peer(peer, g, arg):
     return peer
 
 
-def _tag(tag):
+def _tag(tag: Any) -> int:
     """``tag`` as an int in 0..32767, else InvalidArgumentError (on this rank, before any message)."""
     try:
         t = int(tag.__index__()) if not isinstance(tag, bool) else -1
@@ -124,7 +124,7 @@ def _tag(tag):
     return t
 
 
-def _group(group):
+def _group(group: str | None) -> Group:
     g = CTX.world if group is None else None
     return g if g is not None else get_group(group)
 
@@ -139,13 +139,24 @@ def all_gather_object(obj: Any, group: str | None = None) -> list[Any]:
     c = _pkl(g)
     msg = _dump(obj, g.rank)
 
-    def run():
+    def run() -> Any:
         _meet(g)
         return c.allgather(msg)
 
     msgs = g.disp.watched(ALL_GATHER, run)
     _raise(msgs)
     return [_load(m) for m in msgs]
+
+
+def all_gather_small(obj: Any, group: str | None = None) -> list[Any]:
+    """Every rank's small ``obj`` (a few numbers or short strings), as a list in group rank
+    order: mpi4py's pickled allgather on the group's communicator, watched like every
+    collective. The cheap host exchange for the extensions' per-step agreements (the
+    gathered embeddings' id counts: a few microseconds, where all_gather_object's
+    out-of-band buffers and error notes cost a hundred). An object that cannot be pickled
+    raises on its own rank only."""
+    g = _group(group)
+    return g.disp.watched(ALL_GATHER, lambda: g.mpi_comm.allgather(obj))
 
 
 def broadcast_object(obj: Any = None, root: int = 0, group: str | None = None) -> Any:
@@ -175,7 +186,7 @@ def gather_object(obj: Any, root: int = 0, group: str | None = None) -> list[Any
     c = _pkl(g)
     msg = _dump(obj, g.rank)
 
-    def run():
+    def run() -> Any:
         _meet(g)
         msgs = c.gather(msg, root)
         bad = None
@@ -216,7 +227,7 @@ def scatter_object(objs: Sequence[Any] | None = None, root: int = 0, group: str 
                     break
                 msgs.append(m)
 
-    def run():
+    def run() -> Any:
         _meet(g)
         return c.scatter(msgs, root)
 

@@ -4,7 +4,7 @@ the same name in mpicomm._collectives.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -16,17 +16,26 @@ from .errors import invalid
 
 
 class _Op:
-    def __repr__(self):
+    """An operator made with the group (None: the world)."""
+
+    def __init__(self, group: str | None = None) -> None:
+        self.group = group
+
+    def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({args})"
 
 
-class AllReduce(_Op):
-    """``AllReduce(op=ReduceOp.SUM, group=None)(x)`` runs :func:`all_reduce`."""
+class _Reducing(_Op):
+    """An operator made with the reduction op and the group."""
 
     def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
         self.op = as_op(op)
         self.group = group
+
+
+class AllReduce(_Reducing):
+    """``AllReduce(op=ReduceOp.SUM, group=None)(x)`` runs :func:`all_reduce`."""
 
     def __call__(self, x: ArrayLike) -> Any:
         return all_reduce(x, self.op, group=self.group)
@@ -35,19 +44,12 @@ class AllReduce(_Op):
 class AllGather(_Op):
     """``AllGather(group=None)(x)`` runs :func:`all_gather`."""
 
-    def __init__(self, group: str | None = None) -> None:
-        self.group = group
-
     def __call__(self, x: ArrayLike) -> Any:
         return all_gather(x, group=self.group)
 
 
-class ReduceScatter(_Op):
+class ReduceScatter(_Reducing):
     """``ReduceScatter(op=ReduceOp.SUM, group=None)(x)`` runs :func:`reduce_scatter`."""
-
-    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
-        self.op = as_op(op)
-        self.group = group
 
     def __call__(self, x: ArrayLike) -> Any:
         return reduce_scatter(x, self.op, group=self.group)
@@ -112,7 +114,7 @@ class AlltoAll(_Op):
         return xp.concat(parts, cd)
 
 
-def _check_split_count(split_count, group):
+def _check_split_count(split_count: int, group: str | None) -> int:
     n = get_group(group).size
     if split_count != n:
         raise invalid("split_count", split_count, f"the group size {n} (MindSpore's AlltoAll sends one part "
@@ -123,7 +125,11 @@ def _check_split_count(split_count, group):
 class _ArrayNS:
     """moveaxis / concatenate / contiguous for NumPy, CuPy and PyTorch arrays."""
 
-    def __init__(self, x):
+    moveaxis: Callable[..., Any]
+    contiguous: Callable[..., Any]
+    concat: Callable[..., Any]
+
+    def __init__(self, x: Any) -> None:
         mod = type(x).__module__.split(".")[0]
         if mod == "torch":
             import torch
@@ -131,9 +137,11 @@ class _ArrayNS:
             self.moveaxis, self.contiguous = torch.movedim, (lambda a: a.contiguous())
             self.concat = lambda parts, d: torch.cat(parts, d)
         else:
-            xp = np
+            xp: Any = np
             if mod == "cupy":
-                import cupy as xp
+                import cupy
+
+                xp = cupy
             self.moveaxis, self.contiguous = xp.moveaxis, xp.ascontiguousarray
             self.concat = lambda parts, d: xp.concatenate(parts, d)
 
@@ -142,20 +150,13 @@ class AllGatherV(_Op):
     """MindSpore's ``AllGatherV(group=None)(x, output_split_sizes)``: all_gather of 1-D arrays
     whose lengths differ; ``output_split_sizes`` is every rank's length (or ``"auto"``)."""
 
-    def __init__(self, group: str | None = None) -> None:
-        self.group = group
-
     def __call__(self, x: ArrayLike, output_split_sizes: Sequence[int] | str) -> Any:
         return all_gather(x, group=self.group, sizes=output_split_sizes)
 
 
-class ReduceScatterV(_Op):
+class ReduceScatterV(_Reducing):
     """MindSpore's ``ReduceScatterV(op=ReduceOp.SUM, group=None)(x, input_split_sizes)``:
     reduce_scatter where rank i gets ``input_split_sizes[i]`` elements of axis 0."""
-
-    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: str | None = None) -> None:
-        self.op = as_op(op)
-        self.group = group
 
     def __call__(self, x: ArrayLike, input_split_sizes: Sequence[int]) -> Any:
         return reduce_scatter(x, self.op, group=self.group, sizes=input_split_sizes)

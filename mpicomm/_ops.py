@@ -7,6 +7,7 @@ is divided afterwards. The collective codes number the collectives for the progr
 records and the debug descriptors.
 """
 import enum
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -120,8 +121,8 @@ assert len(COLLECTIVES) < 16
 NAMES = dict(enumerate(COLLECTIVES, 1))
 
 
-class Sized(tuple):
-    """The ``arg`` of a call with per-rank sizes: ``(base, sizes, out_sizes)``.
+class Sized(NamedTuple):
+    """The ``arg`` of a call with per-rank sizes.
 
     ``base`` is what the even call takes (the op, the root, or None); ``sizes`` the axis-0
     length of each rank's part (None: even parts), ``out_sizes`` all_to_all's received
@@ -129,11 +130,9 @@ class Sized(tuple):
     sizes reuses its prepared call. ``value`` is the op's name, for the flight recorder.
     """
 
-    __slots__ = ()
-
-    @property
-    def base(self):
-        return self[0]
+    base: Any
+    sizes: Any
+    out_sizes: Any = None
 
     @property
     def value(self):

@@ -10,7 +10,7 @@ call descriptor first and raises CollectiveMismatchError on every rank where the
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -85,7 +85,8 @@ def _not_captured(arg):
 
 def sized(g, code, x, base, sizes):
     """The Sized arg of a call: explicit sizes checked here; 'auto' (and every call in debug
-    mode) exchanged with each rank's call signature."""
+    mode) exchanged with each rank's call signature. scatter's, after an exchange, is its
+    ScatterFacts."""
     if code in (GATHER, SCATTER):
         base = root_of(g, base)
     auto = isinstance(sizes, str)
@@ -94,7 +95,7 @@ def sized(g, code, x, base, sizes):
     if not auto and sizes is not None:
         sizes = _check_sizes(g, sizes)
     if not auto and not CTX.debug:
-        return Sized((base, sizes, None))
+        return Sized(base, sizes)
     if auto:
         _not_captured("sizes")
     allv = _exchange(g, code, x, base, sizes)
@@ -107,7 +108,7 @@ def sized(g, code, x, base, sizes):
             raise invalid("x", "a 0-d array (no axis 0)", f"an array with an axis 0 on every rank "
                           f"({NAMES[code]} with sizes='auto'; ranks {bad} gave none)")
         sizes = tuple(int(v) for v in own)
-    return Sized((base, sizes, None))
+    return Sized(base, sizes)
 
 
 def splits(g, x, in_splits, out_splits):
@@ -121,7 +122,7 @@ def splits(g, x, in_splits, out_splits):
     if not auto and out_splits is not None:
         out_splits = _check_sizes(g, out_splits, "out_splits")
     if not auto and not CTX.debug:
-        return Sized((None, in_splits, out_splits))
+        return Sized(None, in_splits, out_splits)
     if auto:
         _not_captured("out_splits")
     ins = in_splits
@@ -136,7 +137,7 @@ def splits(g, x, in_splits, out_splits):
             raise invalid("x.shape", "an axis 0 that does not divide by the group size", f"in_splits, or an "
                           f"axis 0 divisible by {n} on every rank (all_to_all; ranks {bad} gave neither)")
         out_splits = tuple(int(v) for v in got)
-    return Sized((None, in_splits, out_splits))
+    return Sized(None, in_splits, out_splits)
 
 
 # the exchanged descriptor: collective, dtype, array kind, ndim, trailing shape (6 dims, or a
@@ -227,8 +228,17 @@ def _describe(d):
     return " ".join(parts)
 
 
+class ScatterFacts(NamedTuple):
+    """scatter's arg after its exchange: the ``root``, the ``sizes`` (None: even parts), and
+    this rank's ``out`` made from the root's facts (sizes='auto' away from the root; else None)."""
+
+    root: int
+    sizes: Any
+    out: Any
+
+
 def _scatter_facts(g, allv, root, sizes, auto):
-    """(root, sizes, out made from the root's facts or None) after scatter's exchange."""
+    """ScatterFacts after scatter's exchange."""
     r = allv[root]
     if r[1] == -1 or r[3] < 1:
         raise invalid("x", "no array with an axis 0 on the root", f"the array to scatter on the root {root}")
@@ -237,7 +247,7 @@ def _scatter_facts(g, allv, root, sizes, auto):
         if missing:   # every rank knows it here: all raise, none waits in the scatter
             raise invalid("out", None, f"an array of its part of the root's x on every rank but the root {root}, "
                           f"or sizes='auto' on every rank (ranks {missing} gave no out=)")
-        return (root, sizes, None)
+        return ScatterFacts(root, sizes, None)
     n, d0 = g.size, int(r[_OWN])
     if d0 % n:
         raise invalid("x.shape", f"axis 0 of {d0} on the root", f"a first axis divisible by the group size {n} "
@@ -246,7 +256,7 @@ def _scatter_facts(g, allv, root, sizes, auto):
     if dt is None or r[3] - 1 > 6:
         raise invalid("x", "the root's array", "a dtype and shape scatter can describe to the other ranks")
     shape = (d0 // n,) + tuple(int(s) for s in r[4:4 + int(r[3]) - 1])
-    return (root, None, _alloc(int(r[2]), shape, dt) if g.rank != root else None)
+    return ScatterFacts(root, None, _alloc(int(r[2]), shape, dt) if g.rank != root else None)
 
 
 def _alloc(kind, shape, dtype):

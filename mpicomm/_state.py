@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .errors import NotInitializedError, invalid
 
@@ -17,6 +18,8 @@ class Group:
 
     __slots__ = ("name", "ranks", "rank", "size", "mpi_comm", "transport", "disp", "call",
                  "__weakref__")
+    disp: Any
+    call: Any
 
     def __init__(self, name, ranks, rank, mpi_comm, transport):
         self.name = name
@@ -33,10 +36,30 @@ class Group:
 
 
 class Context:
-    def __init__(self):
+    """The settings and objects of the initialised library (reset by finalize). ``world``,
+    ``backend`` and ``reliability`` are None before init and set by it: the calls that read
+    them check ``initialized`` first."""
+
+    initialized: bool
+    init_key: Any                # init's arguments, compared by a repeated init
+    backend_name: str | None
+    backend: Any                 # the Backend
+    world: Any                   # the world Group
+    groups: dict[str, Group]
+    local_comm: Any              # the MPI communicator of this host's ranks
+    local_rank: int
+    local_size: int
+    timeout: float | None
+    debug: bool
+    check: bool
+    abort_on_exception: bool
+    device_id: int | None
+    reliability: Any             # mpicomm._reliability.Reliability
+
+    def __init__(self) -> None:
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.initialized = False
         self.init_key = None
         self.backend_name = None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import _state
 from ._backends import get_backend_class, names as backend_names
@@ -13,12 +13,12 @@ from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
 from ._reliability.progress import ghash
 from ._reliability.watchdog import InitGuard
-from ._state import CTX, WORLD, WORLD_ALIASES, Group, env_bool, env_float, get_group, require_init
+from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
-def _pick_backend(backend):
+def _pick_backend(backend: Any) -> str:
     if backend is None:
         env = os.environ.get("MPICOMM_BACKEND", "").strip()
         if env and env.lower() not in backend_names():
@@ -89,7 +89,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         guard.done()
 
 
-def _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check=True):
+def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: bool, key: tuple,
+          guard: InitGuard, check: bool = True) -> None:
     world = MPI.COMM_WORLD.Dup()  # the library owns its communicator
     lcomm = local_comm(world)
     CTX.local_comm = lcomm
@@ -139,7 +140,7 @@ def _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check=True)
     CTX.reliability.start()
 
 
-def _attach(ctx, g):
+def _attach(ctx: Context, g: Group) -> None:
     """Give group ``g`` its dispatcher (its progress row; in debug mode, the checked transport).
     A group still being created (no transport yet) gets its transport later (_connect)."""
     rel = ctx.reliability
@@ -233,7 +234,7 @@ def get_group_rank_from_world_rank(world_rank_id: int, group: str | None) -> int
     return g.ranks.index(world_rank_id)
 
 
-def _any_group(group):
+def _any_group(group: str | None) -> Group:
     """A group by name, also on ranks that are not in it."""
     ctx = require_init("this call")
     if group is None or (group in WORLD_ALIASES and group not in ctx.groups):
@@ -304,7 +305,7 @@ def create_group(group: str, rank_ids: Sequence[int]) -> None:
         raise
 
 
-def _connect(ctx, g):
+def _connect(ctx: Context, g: Group) -> None:
     """Make member group ``g``'s communicator and transport, among its members only."""
     world = ctx.world
     ids = list(g.ranks)

@@ -4,6 +4,7 @@ Every error mpicomm raises is a :class:`MpicommError`; the subclasses say which
 kind of problem it is, and their messages name the argument, its value, what is
 allowed, and the rank that raised.
 """
+from __future__ import annotations
 
 
 class MpicommError(Exception):
@@ -39,7 +40,7 @@ class RefusedElsewhereError(CollectiveMismatchError, InvalidArgumentError):
     the rank and its reason); this rank did not complete it either."""
 
 
-def invalid(name, value, allowed, rank=None):
+def invalid(name: str, value: object, allowed: str, rank: int | None = None) -> InvalidArgumentError:
     """Build an :class:`InvalidArgumentError` naming argument, value and what is allowed."""
     where = f" (rank {rank})" if rank is not None else ""
     return InvalidArgumentError(f"invalid {name}={value!r}{where}: expected {allowed}")

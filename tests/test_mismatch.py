@@ -87,7 +87,7 @@ def test_shm_mismatch_raises_on_every_rank(groups, case, piece):
         x, total = rdata(g, f"{case}{piece}{g}", count)
         if m.group is not None:
             sg = m.group
-            sg.set_piece({"pieces": PIECE, "one": 1 << 20, "ordinary": None, "whole": _shm._WHOLE}[piece])
+            sg.set_piece({"pieces": PIECE, "one": 1 << 20, "ordinary": None, "whole": _shm.WHOLE}[piece])
             if piece == "ordinary":   # the tuner's Open MPI choice (where it may be chosen)
                 sg.ordinary = True
         fn = CASES[case]

@@ -15,6 +15,7 @@ import pytest
 import mpicomm
 from mpicomm import ReduceOp
 from mpicomm._backends import shm as _shm
+from mpicomm._backends import shm_config as _cfg
 from mpicomm.errors import InvalidArgumentError
 from conftest import shm_groups
 from conftest import shm_of as impl
@@ -386,12 +387,12 @@ def test_real_threshold(groups):
         try:
             t = m.min_all_reduce
             if m.size == 1:
-                assert t == _shm.NEVER
+                assert t == _cfg.NEVER
                 continue
             if m.group is not None and m.group.crowded:
-                assert t == _shm.CROWDED_THRESHOLD
+                assert t == _cfg.CROWDED_THRESHOLD
             else:
-                assert t == _shm.DEFAULT_THRESHOLD["all_reduce"]
+                assert t == _cfg.DEFAULT_THRESHOLD["all_reduce"]
             for count, taken in ((t // 4 - 16, False), (t // 4 + 16, True)):
                 x, arrs = rank_data(group, f"real{count}", (count,), np.float32)
                 before = calls(group, "all_reduce")
@@ -405,7 +406,7 @@ def test_single_rank_never_takes_the_path(comm):
     if mpicomm.get_group_size() != 1:
         pytest.skip("needs a group of one rank: at 1 rank")
     m = impl()
-    assert m.min_all_reduce == _shm.NEVER and m.group is None
+    assert m.min_all_reduce == _cfg.NEVER and m.group is None
 
 
 class _SplitAsIfOnOtherHosts:
@@ -440,7 +441,7 @@ def test_group_across_hosts_is_unavailable(comm):
         from mpicomm._ops import ALL_REDUCE
 
         y = mc.prepare(ALL_REDUCE, x, None, ReduceOp.SUM, False, None).run(x, None)
-        assert mc.shm.group is None and mc.shm.min_all_reduce == _shm.NEVER
+        assert mc.shm.group is None and mc.shm.min_all_reduce == _cfg.NEVER
         assert_close(y, reduce_np([data(r, "hosts", (1000,), np.int32) for r in range(world.Get_size())],
                                   ReduceOp.SUM))
         # the real communicator, all on this host: available
@@ -454,34 +455,34 @@ def test_group_across_hosts_is_unavailable(comm):
 # --------------------------------------------------------------------------- settings
 
 def test_threshold_settings():
-    t = _shm.thresholds
-    assert t(4, {}) == _shm.DEFAULT_THRESHOLD
-    assert t(2, {})["all_gather"] == t(2, {})["broadcast"] == _shm.NEVER
+    t = _cfg.thresholds
+    assert t(4, {}) == _cfg.DEFAULT_THRESHOLD
+    assert t(2, {})["all_gather"] == t(2, {})["broadcast"] == _cfg.NEVER
     assert t(2, {})["all_reduce"] == t(2, {})["reduce_scatter"] == 256 << 10
     assert set(t(2, {"MPICOMM_SHM_THRESHOLD": "1M"}).values()) == {1 << 20}
-    assert set(t(1, {}).values()) == {_shm.NEVER}
-    assert t(4, {}, crowded=True)["all_reduce"] == _shm.CROWDED_THRESHOLD
-    assert t(4, {}, crowded=True)["reduce_scatter"] == _shm.DEFAULT_THRESHOLD["reduce_scatter"]
+    assert set(t(1, {}).values()) == {_cfg.NEVER}
+    assert t(4, {}, crowded=True)["all_reduce"] == _cfg.CROWDED_THRESHOLD
+    assert t(4, {}, crowded=True)["reduce_scatter"] == _cfg.DEFAULT_THRESHOLD["reduce_scatter"]
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "1M"}, crowded=True).values()) == {1 << 20}
-    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "off"}).values()) == {_shm.NEVER}
+    assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "off"}).values()) == {_cfg.NEVER}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "2M"}).values()) == {2 << 20}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "300000"}).values()) == {300000}
     assert set(t(4, {"MPICOMM_SHM_THRESHOLD": "0"}).values()) == {1}
     for bad in ("-5", "lots", "1.5M"):
         with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_THRESHOLD"):
             t(2, {"MPICOMM_SHM_THRESHOLD": bad})
-    assert _shm._piece_bytes({"MPICOMM_SHM_PIECE": "8M"}) == 8 << 20
-    assert _shm._piece_bytes({}) == _shm.DEFAULT_PIECE
+    assert _cfg.piece_bytes({"MPICOMM_SHM_PIECE": "8M"}) == 8 << 20
+    assert _cfg.piece_bytes({}) == _cfg.DEFAULT_PIECE
     g = _shm.ShmGroup.__new__(_shm.ShmGroup)
     g.crowded = False
     g.set_piece(env={})
-    assert g.cands == _shm.AUTO_PIECES and g.piece == _shm.AUTO_PIECES[0]
+    assert g.cands == _cfg.AUTO_PIECES and g.piece == _cfg.AUTO_PIECES[0]
     g.set_piece(env={"MPICOMM_SHM_PIECE": "4M"})
     assert g.cands is None and g.piece == 4 << 20
     g.crowded = True
     g.set_piece(env={})
-    assert g.cands == _shm.AUTO_PIECES and g.piece == _shm.AUTO_PIECES[0]
+    assert g.cands == _cfg.AUTO_PIECES and g.piece == _cfg.AUTO_PIECES[0]
     g.set_piece(8192)
     assert g.cands is None and g.piece == 8192
     with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
-        _shm._piece_bytes({"MPICOMM_SHM_PIECE": "x"})
+        _cfg.piece_bytes({"MPICOMM_SHM_PIECE": "x"})

@@ -143,7 +143,7 @@ def test_a_broken_collective_fails_the_smoke_and_is_named(n):
 
 
 def test_count_wrong_spans_chunks(monkeypatch):
-    monkeypatch.setattr(smoke, "_CHUNK", 100)
+    monkeypatch.setattr(smoke.expected, "_CHUNK", 100)   # where count_wrong reads it
     dt = np.dtype(np.float16)
     exp = smoke.reduce_keys("avg", dt, range(3), 1000)
     got = exp.copy()

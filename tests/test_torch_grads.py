@@ -1,7 +1,7 @@
 """mpicomm.torch's DDP wrapper never drops a gradient (issue 24): every trainable parameter
 that backward reaches is reduced, and waited for, before backward() returns, whichever path
 its gradient takes -- a parameter's hook into its bucket (mark_ready), a new tensor after
-zero_grad(set_to_none=True) reduced from where autograd left it (_ready_from, the direct
+zero_grad(set_to_none=True) reduced from where autograd left it (ready_from, the direct
 reduction on NCCL), or an embedding's gathered rows -- also where an embedding of 4 MiB or
 more (gathered by embedding_grads="auto") is the only trainable parameter reached: a frozen
 head, a loss straight from the lookup, a tied table. Each step is compared with one process
@@ -144,8 +144,8 @@ def check_never_drops(device, case, mode, zero_to_none, accumulate=False):
     seen, direct = [], []
     table_mod = m if case == "lookup_loss" else m.emb
     table_mod.register_forward_hook(lambda mod, a, out: seen.append(type(out.grad_fn).__name__))
-    ready_from = model.reducer._ready_from
-    model.reducer._ready_from = lambda i, g: (direct.append(i), ready_from(i, g))[1]
+    ready_from = model.reducer.ready_from
+    model.reducer.ready_from = lambda i, g: (direct.append(i), ready_from(i, g))[1]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     s = my_slice(n, r)

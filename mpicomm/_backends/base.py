@@ -31,6 +31,7 @@ import sys
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from .._ops import NAMES
@@ -76,14 +77,13 @@ def track(w):
 
 def describe_p2p(w):
     """'recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world'' for a Work."""
-    what = w._what
-    name, shape, dtype = what[:3]
-    desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
-    if len(what) >= 5 and isinstance(what[4], tuple):   # from the dispatcher: ("p2p", code, world peer, tag)
-        _, _, peer, tag = what[4]
+    d = w.description
+    name, shape = d.name, d.shape
+    desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {str(d.dtype).replace('torch.', '')}"
+    if d.p2p:
         to = {"recv": "from", "send": "to"}.get(name, "with")
-        gname = getattr(what[3], "name", "?")
-        return f"{name} {to} rank {peer} (tag {tag}, {desc}) on group {gname!r}"
+        gname = getattr(d.group, "name", "?")
+        return f"{name} {to} rank {d.peer} (tag {d.tag}, {desc}) on group {gname!r}"
     return f"{name} ({desc})"
 
 
@@ -176,6 +176,29 @@ class _Never:
 NEVER = _Never()
 
 
+@dataclass(slots=True)
+class WorkDescription:
+    """What a Work stands for, in its timeout and departed-rank reports: the call (``name``:
+    all_reduce, send, ...) and its array's ``shape`` and ``dtype``, and where the dispatcher
+    handed it out: the ``group`` and, for a collective or barrier, the group's call number
+    ``seq``; for a send or recv, the call's ``code``, the ``peer``'s world rank and the
+    ``tag`` (``seq`` None). ``group`` is None for a Work the dispatcher did not hand out."""
+
+    name: str
+    shape: Any
+    dtype: Any
+    group: Any = None
+    seq: int | None = None
+    code: int | None = None
+    peer: int | None = None
+    tag: Any = None
+
+    @property
+    def p2p(self) -> bool:
+        """A send or recv (from the dispatcher), not a numbered call."""
+        return self.code is not None
+
+
 class Work:
     """Handle of a collective started with ``async_op=True``.
 
@@ -184,16 +207,28 @@ class Work:
     ``is_completed()`` tells without blocking.
     """
 
-    __slots__ = ("_result", "_done", "_what", "_post", "_watch", "__weakref__")
+    __slots__ = ("_result", "_done", "_what", "_group", "_seq", "_post", "_watch", "__weakref__")
 
-    default_timeout = None          # set by init: the group's timeout (None: no limit)
+    default_timeout: float | None = None   # set by init: the group's timeout (None: no limit)
 
     def __init__(self, result, what, post=None):
         self._result = result
         self._done = False
-        self._what = what           # (name, shape, dtype) and, from the dispatcher, (group, seq)
+        self._what = what           # (name, shape, dtype), from the transport
         self._post = post
         self._watch = None          # from the dispatcher: the watchdog (diagnosis, departed peers)
+        # _group, _seq: set by the dispatcher on a collective or barrier (its group and call
+        # number); read through ``description``
+
+    @property
+    def description(self) -> WorkDescription:
+        """What this Work stands for (:class:`WorkDescription`), for reports."""
+        what = self._what
+        name, shape, dtype = what[:3]
+        if len(what) >= 5:   # a send or recv, from the dispatcher: + (group, ("p2p", code, world peer, tag))
+            _, code, peer, tag = what[4]
+            return WorkDescription(name, shape, dtype, what[3], None, code, peer, tag)
+        return WorkDescription(name, shape, dtype, getattr(self, "_group", None), getattr(self, "_seq", None))
 
     def _poll(self):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -241,7 +276,7 @@ class Work:
                     self._timed_out(timeout)
                 if now > check and self._watch is not None:
                     check = now + DEPARTED_CHECK
-                    self._watch.work_departed(self._what, now - start)  # reports and ends the job
+                    self._watch.work_departed(self.description, now - start)  # reports and ends the job
                 self._idle()
 
     def _idle(self):
@@ -249,9 +284,9 @@ class Work:
 
     def _timed_out(self, timeout):
         if self._watch is not None:
-            raise self._watch.work_timeout(self._what, timeout)
-        name, shape, dtype = self._what[:3]
-        raise CollectiveTimeoutError(f"{name} (shape {shape}, dtype {dtype}) did not complete within {timeout:g} s")
+            raise self._watch.work_timeout(self.description, timeout)
+        d = self.description
+        raise CollectiveTimeoutError(f"{d.name} (shape {d.shape}, dtype {d.dtype}) did not complete within {timeout:g} s")
 
     def __repr__(self):
         state = "completed" if self._done else "pending"

@@ -22,10 +22,10 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE, REDUC
 from ..errors import invalid
 from . import bigcount
 from .base import IN_PLACE, NEW, OUT, Backend, DoneWork, Prepared, role_of
-from .mpi_common import F32, MPIWork, address, as_host, divisor, plain_out
+from .mpi_common import F32, MPIWork, address, as_host, divisor, plain_out, reduced_post
 from .mpi_p2p import PointToPoint
 from .mpi_sized import SizedCalls
-from .shm import ShmPath
+from .shm_path import ShmPath
 
 _AVG = ReduceOp.AVG
 _FILLS = "broadcast fills x in place"
@@ -306,15 +306,7 @@ class MPITransport(SizedCalls, PointToPoint):
             else:
                 t, r = None, (np.empty(oshape, dtype) if part else o)
                 sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [r, dt]
-            if avg or upcast or part or fin is not None:
-                def post():
-                    if avg:
-                        np.divide(r, n, out=r)
-                    if r is not o:
-                        o[...] = r
-                    return fin(o) if fin is not None else None
-            else:
-                post = None
+            post = reduced_post(r, o, n, avg, fin)   # (r is not o where upcast or part)
             res = self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
                               lambda: comm.Ireduce_scatter_block(sb, rb, mop),
                               async_op, o, post, (xh, o, t, r), what)

@@ -46,6 +46,22 @@ def divisor(row, n):
     return (F32.type if row.upcast else row.dtype.type)(n)
 
 
+def reduced_post(r, o, n, avg, fin):
+    """The post-step of a reduction into ``r`` for the output ``o``: AVG's divide by ``n``, the
+    copy out of a temporary ``r`` (float32 for float16/bfloat16, or apart from an x that ``o``
+    overlaps), then ``fin`` (the write-back into a non-NumPy out=); None where there is none."""
+    if not (avg or r is not o or fin is not None):
+        return None
+
+    def post():
+        if avg:
+            np.divide(r, n, out=r)
+        if r is not o:
+            o[...] = r
+        return fin(o) if fin is not None else None
+    return post
+
+
 def address(a):
     """The address of a host array's first byte (mpi4py's buffer view: a tenth of the cost
     of __array_interface__ for contiguous arrays)."""

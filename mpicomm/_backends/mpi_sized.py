@@ -18,7 +18,7 @@ from .._dtypes import of_numpy
 from .._ops import ALL_GATHER, ALL_TO_ALL, GATHER, REDUCE_SCATTER, SCATTER, ReduceOp, check_op_dtype
 from ..errors import invalid
 from .base import IN_PLACE, NEW, OUT, Prepared, role_of
-from .mpi_common import F32, HostSteps, address, as_host, plain_out
+from .mpi_common import F32, HostSteps, address, as_host, plain_out, reduced_post
 
 _AVG = ReduceOp.AVG
 
@@ -84,6 +84,38 @@ def scatter_layout(shape, sizes, n, rank):
     elif sum(sizes) != d0:
         raise invalid("sizes", list(sizes), f"sizes that add up to the root's x.shape[0] = {d0}")
     return Layout(*_parts(sizes, trail, "scatter"), (sizes[rank],) + trail)
+
+
+def _root_calls(comm, gather, even, counts, displs, dt, root):
+    """gather's (``gather``) or scatter's MPI calls on the root, which holds the whole buffer
+    (gather's out, scatter's x; laid out by counts and displs unless ``even``) and its own
+    part. Returns (calls, call): ``calls(xh, o, part)`` the blocking and the nonblocking call
+    for _any_v (the own part MPI.IN_PLACE where ``part``), ``call(x, o)`` the blocking call of
+    _fast_v."""
+    if gather:
+        blocking, nonblocking = (comm.Gather, comm.Igather) if even else (comm.Gatherv, comm.Igatherv)
+    else:
+        blocking, nonblocking = (comm.Scatter, comm.Iscatter) if even else (comm.Scatterv, comm.Iscatterv)
+    spec = (counts, displs)
+
+    def whole(a):
+        return [a, dt] if even else [a, spec, dt]
+
+    def calls(xh, o, part):
+        own = MPI.IN_PLACE if part else [xh if gather else o, dt]
+        sb, rb = (own, whole(o)) if gather else (whole(xh), own)
+        return (lambda: blocking(sb, rb, root)), (lambda: nonblocking(sb, rb, root))
+
+    if even:
+        def call(x, o):
+            return blocking([x, dt], [o, dt], root)
+    elif gather:
+        def call(x, o):
+            return blocking([x, dt], [o, spec, dt], root)
+    else:
+        def call(x, o):
+            return blocking([x, spec, dt], [o, dt], root)
+    return calls, call
 
 
 def all_to_all_layouts(shape, ins, outs, oshape0, n, rank):
@@ -177,7 +209,7 @@ class SizedCalls(HostSteps):
         return run
 
     def _prepare_all_gather_v(self, x, out, arg, async_op, stream):
-        sizes = arg[1]
+        sizes = arg.sizes
         xh, _ = as_host(x)
         self._axis0(xh, "all_gather")
         row = of_numpy(xh.dtype)
@@ -244,15 +276,7 @@ class SizedCalls(HostSteps):
                 t = None
                 r = np.empty(oshape, dtype) if np.may_share_memory(o, xh) else o
                 sb, rb = [xh, dt], [r, dt]
-            if avg or r is not o or fin is not None:
-                def post():
-                    if avg:
-                        np.divide(r, n, out=r)
-                    if r is not o:
-                        o[...] = r
-                    return fin(o) if fin is not None else None
-            else:
-                post = None
+            post = reduced_post(r, o, n, avg, fin)
             res = self._start(lambda: comm.Reduce_scatter(sb, rb, counts, mop),
                               lambda: comm.Ireduce_scatter(sb, rb, counts, mop), async_op, o, post,
                               (xh, o, t, r), what)
@@ -277,14 +301,7 @@ class SizedCalls(HostSteps):
         what = ("gather", xh.shape, dtype)
 
         if is_root:
-            def calls(xh, o, part):
-                sb = MPI.IN_PLACE if part else [xh, dt]
-                if even:
-                    rb = [o, dt]
-                    return (lambda: comm.Gather(sb, rb, root)), (lambda: comm.Igather(sb, rb, root))
-                rb = [o, (counts, displs), dt]
-                return (lambda: comm.Gatherv(sb, rb, root)), (lambda: comm.Igatherv(sb, rb, root))
-
+            calls, call = _root_calls(comm, True, even, counts, displs, dt, root)
             run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
         else:
             def run_any(x, out):
@@ -294,13 +311,8 @@ class SizedCalls(HostSteps):
                                    lambda: comm.Igather(sb, None, root) if even else comm.Igatherv(sb, None, root),
                                    async_op, None, None, (xh,), what)
 
-        if not is_root:
             call = (lambda x, o: comm.Gather([x, dt], None, root)) if even else \
                 (lambda x, o: comm.Gatherv([x, dt], None, root))
-        else:
-            rspec = (counts, displs)
-            call = (lambda x, o: comm.Gather([x, dt], [o, dt], root)) if even else \
-                (lambda x, o: comm.Gatherv([x, dt], [o, rspec, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any, gives=is_root)
         return Prepared(GATHER, x, out, arg, async_op, stream, run)
 
@@ -319,25 +331,15 @@ class SizedCalls(HostSteps):
         role = role_of(x, out)
         what = ("scatter", xh.shape, dtype)
 
-        def calls(xh, o, part):
-            rb = MPI.IN_PLACE if part else [o, dt]
-            if even:
-                sb = [xh, dt]
-                return (lambda: comm.Scatter(sb, rb, root)), (lambda: comm.Iscatter(sb, rb, root))
-            sb = [xh, (counts, displs), dt]
-            return (lambda: comm.Scatterv(sb, rb, root)), (lambda: comm.Iscatterv(sb, rb, root))
-
+        calls, call = _root_calls(comm, False, even, counts, displs, dt, root)
         run_any = self._any_v(role, oshape, dtype, slot, async_op, what, calls)
-        sspec = (counts, displs)
-        call = (lambda x, o: comm.Scatter([x, dt], [o, dt], root)) if even else \
-            (lambda x, o: comm.Scatterv([x, sspec, dt], [o, dt], root))
         run = self._fast_v(x, role, async_op, oshape, dtype, call, run_any)
         return Prepared(SCATTER, x, out, arg, async_op, stream, run)
 
     def _prepare_scatter_part(self, x, out, arg, async_op, stream, root):
         """scatter away from the root: the front made sure there is an out= (given, or made from
         the root's facts); x is out there (not read)."""
-        sizes, rank, comm = arg[1], self.rank, self.comm
+        sizes, rank, comm = arg.sizes, self.rank, self.comm
         h, _ = to_host(out, "out")
         o, wb = host_out(out, h.shape, h.dtype, None, "out")
         self._axis0(o, "scatter", "out.shape")

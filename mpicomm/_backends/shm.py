@@ -53,53 +53,35 @@ element, and copied to every rank: the same on every rank and from run to run
 (at 2 ranks also bit-identical to Open MPI's, since a + b == b + a). float16 and
 bfloat16 are reduced in float32 and rounded once, as on the ordinary path. MIN/MAX
 propagate NaN (np.minimum/np.maximum).
+
+This module is the window and the collectives through it (ShmGroup); which messages take
+the path, and in pieces of what size, is in shm_config.py; the MPI transport reaches it
+through ShmPath (shm_path.py).
 """
 from __future__ import annotations
 
 import os
-import sys
 from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveMismatchError, invalid
+from ..errors import CollectiveMismatchError
 from .._callspec import PeerSpec, head_words
-from .._ops import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
+from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
+from .shm_config import AUTO_PIECES, COLLECTIVES, WHOLE, piece_bytes
 
-NEVER = sys.maxsize
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
-# Smallest message (bytes: the input of all_reduce / reduce_scatter / broadcast, the
-# *output* of all_gather) that takes the shared-memory path, measured on the 2-core
-# machine at 2 and 4 ranks (docs/BENCHMARKS.md, "CPU shared-memory path"): below
-# 128-256 KiB the barriers cost more than Open MPI's eager copies. all_gather and
-# broadcast are off by default: Open MPI moves them with one copy per byte, the shared
-# window needs two, and it measured slower (2 ranks: 3-4x; 4 ranks: 0.4-1.6x, noisy);
-# MPICOMM_SHM_THRESHOLD turns them on.
-DEFAULT_THRESHOLD = {"all_reduce": 256 << 10, "all_gather": NEVER,
-                     "reduce_scatter": 256 << 10, "broadcast": NEVER}
-# all_reduce when the ranks outnumber their cores (4 ranks on 2 cores): measured even
-# with Open MPI at 256 KiB, ahead from 512 KiB
-CROWDED_THRESHOLD = 512 << 10
-# Without MPICOMM_SHM_PIECE, all_reduce chooses between these pieces (bytes of one buffer
-# of a segment) as it runs (ShmGroup._tune): on the 2-core VM 2 MiB is fastest most of
-# the time at 2 ranks but, in spells of seconds, 2-3x slower than 8 MiB; at 4 ranks on 2
-# cores 2 MiB won at 16 MiB and 8 MiB from 32 MiB (docs/BENCHMARKS.md).
-AUTO_PIECES = (2 << 20, 8 << 20)
-DEFAULT_PIECE = AUTO_PIECES[0]   # the piece before any tuning
+# the tuner (ShmGroup._tune)
 EXPLORE = 16              # tuned calls after which the piece not in use is timed again
-ORDINARY = 0              # the tuner's third choice for all_reduce: Open MPI's own path
                           # (4x as many when it was > 1.25x slower than the best)
+ORDINARY = 0              # the tuner's third choice for all_reduce: Open MPI's own path
 _MAX_ORDINARY = 2 ** 31 - 1  # elements: Open MPI's count is a C int
+# the window
 _TUNER = 16               # bytes after the two buffers of rank 0's segment: the tuner's two slots,
 _SIGW = 8                 # then the signature table: 2 halves x n rows of _SIGW int64 (a cache line)
-_WHOLE = 1 << 60          # a piece size that means "the whole message"
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
 _MPI_OPS = mpi_ops()
-_OFF = ("off", "no", "false", "never", "none", "disable", "disabled")
-_OPS = tuple(ReduceOp)
 
 
 def signature(code, x, op=None, root=None):
@@ -119,51 +101,6 @@ def mismatch_error(rows, where):
         f"the ranks of the group called different collectives {where}: {calls}. Every rank must "
         "make the same call (collective, element count, dtype, op or root); rerun with "
         "MPICOMM_DEBUG=1 to check every call's arguments across ranks.")
-
-
-def _bytes(name, text):
-    """Parse '262144', '256K', '4M', '1G' (binary units) from environment variable ``name``."""
-    s = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    if s and s[-1] in "KMG":
-        mult = 1 << (10 * ("KMG".index(s[-1]) + 1))
-        s = s[:-1]
-    try:
-        v = int(s) * mult
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise invalid(name, text, "a size in bytes >= 0 (e.g. 262144, 256K, 4M), or 'off'")
-    return v
-
-
-def thresholds(size, env=os.environ, crowded=False):
-    """Per collective, the smallest message in bytes that takes the shared-memory path
-    (NEVER for a group of one rank or with MPICOMM_SHM_THRESHOLD=off).
-
-    MPICOMM_SHM_THRESHOLD=BYTES sets all four (0: every non-empty message), at
-    any group size. ``crowded`` (the ranks outnumber their cores; known once the
-    group's window is open) raises the default all_reduce threshold.
-    """
-    v = env.get("MPICOMM_SHM_THRESHOLD", "").strip()
-    if size < 2 or v.lower() in _OFF:
-        return dict.fromkeys(COLLECTIVES, NEVER)
-    if v == "":
-        t = dict(DEFAULT_THRESHOLD)
-        if crowded:
-            t["all_reduce"] = CROWDED_THRESHOLD
-        return t
-    return dict.fromkeys(COLLECTIVES, max(1, _bytes("MPICOMM_SHM_THRESHOLD", v)))
-
-
-def _piece_bytes(env=os.environ):
-    v = env.get("MPICOMM_SHM_PIECE", "").strip()
-    if v == "":
-        return DEFAULT_PIECE
-    p = _bytes("MPICOMM_SHM_PIECE", v)
-    if p == 0:
-        return _WHOLE           # 0: one piece per message (the window grows to the message)
-    return max(p, 64 << 10)
 
 
 def _round(v, a=_ALIGN):
@@ -228,7 +165,7 @@ class ShmGroup:
             self.cands, self.piece = AUTO_PIECES, AUTO_PIECES[0]
         else:
             self.cands = None
-            self.piece = _piece_bytes(env) if piece is None else piece
+            self.piece = piece_bytes(env) if piece is None else piece
 
     def _grow(self, need):
         """Make every buffer at least ``need`` bytes (collective; all ranks pass the
@@ -237,7 +174,7 @@ class ShmGroup:
             return True
         # pipelined: one allocation of a whole piece (every collective's need fits it);
         # one piece per message: grow by at least 2x
-        target = self.piece if self.piece < _WHOLE else 2 * self.seg
+        target = self.piece if self.piece < WHOLE else 2 * self.seg
         if self.cands:
             target = max(self.cands)      # any candidate fits, whichever the tuner picks
         seg = _round(max(need, target), 4096)
@@ -560,102 +497,3 @@ class ShmGroup:
             yield
             if not is_root:
                 hb[start:stop] = src[:stop - start]
-
-
-# --------------------------------------------------------------- the MPI transport's strategy
-
-class ShmPath:
-    """The shared-memory strategy of one group's MPI transport.
-
-    ``min_<collective>`` is the smallest message in bytes that tries the path (one
-    integer compare on the small-message path). Each entry point returns the output
-    when the path ran, or None when the ordinary path must run instead: the group spans
-    hosts or the window cannot be allocated. Both are found collectively, alike on every
-    rank, and remembered (the thresholds become NEVER). Blocking calls only.
-    """
-
-    def __init__(self, comm, env=os.environ):
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.group = None       # the ShmGroup, opened at the first call that may use it
-        self._closed = False
-        self.configure(env)
-
-    def configure(self, env=os.environ):
-        """Set the thresholds from MPICOMM_SHM_THRESHOLD in ``env`` (call it alike on every rank)."""
-        t = thresholds(self.size, env, self.group is not None and self.group.crowded)
-        self.min_all_reduce = t["all_reduce"]
-        self.min_all_gather = t["all_gather"]
-        self.min_reduce_scatter = t["reduce_scatter"]
-        self.min_broadcast = t["broadcast"]
-
-    def disable(self):
-        self.configure({"MPICOMM_SHM_THRESHOLD": "off"})
-
-    def open(self):
-        """The group's ShmGroup, opening it at the first use (collective); None if unavailable."""
-        g = self.group
-        if g is None and not self._closed:
-            g = ShmGroup.open(self.comm)
-            if g is None:
-                self.disable()
-                self._closed = True
-                return None
-            self.group = g
-            if g.crowded and self.min_all_reduce == DEFAULT_THRESHOLD["all_reduce"]:
-                self.min_all_reduce = CROWDED_THRESHOLD    # the default, crowded
-        return g
-
-    def close(self):
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-    def _go(self, g, name, gen, o, sig):
-        if gen is None:              # the window could not grow (on every rank alike)
-            self.disable()
-            return None
-        g.run(name, gen, sig)
-        return o
-
-    @staticmethod
-    def _whole(g, sig):
-        """One piece per message (MPICOMM_SHM_PIECE=0): the window grows to the message, so
-        ranks whose calls differ could disagree on growing it; compare before (an allgather)."""
-        if g.piece >= _WHOLE:
-            rows = g.comm.allgather(sig)
-            if any(s != sig for s in rows):
-                raise mismatch_error(rows, "on the shared-memory path")
-
-    def all_reduce(self, x, o, row, op):
-        g = self.open()
-        if g is None or x.nbytes < self.min_all_reduce:   # (raised when the group opened)
-            return None
-        sig = signature(ALL_REDUCE, x, op)
-        self._whole(g, sig)
-        return self._go(g, "all_reduce", g.all_reduce(x, o, row, op), o, sig)
-
-    def reduce_scatter(self, x, o, row, op):
-        g = self.open()
-        if g is None:
-            return None
-        sig = signature(REDUCE_SCATTER, x, op)
-        self._whole(g, sig)
-        return self._go(g, "reduce_scatter", g.reduce_scatter(x, o, row, op), o, sig)
-
-    def all_gather(self, x, o):
-        g = self.open()
-        if g is None:
-            return None
-        sig = signature(ALL_GATHER, x)
-        self._whole(g, sig)
-        return self._go(g, "all_gather", g.all_gather(x, o), o, sig)
-
-    def broadcast(self, h, root):
-        g = self.open()
-        if g is None:
-            return None
-        sig = signature(BROADCAST, h, root=root)
-        self._whole(g, sig)
-        return self._go(g, "broadcast", g.broadcast(h, root), h, sig)

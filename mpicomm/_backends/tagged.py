@@ -151,7 +151,7 @@ class TaggedP2P:
         say on stderr which were never received."""
         left = self.outbox.drain(wait)
         if left:
-            what = ", ".join(f"{w._what[0]} of shape {tuple(w._what[1])}" for w in left[:4])
+            what = ", ".join(f"{w.description.name} of shape {tuple(w.description.shape)}" for w in left[:4])
             sys.stderr.write(f"mpicomm: {len(left)} tagged GPU send(s) still not received when the "
                              f"group closed ({what}); their data is dropped\n")
             sys.stderr.flush()

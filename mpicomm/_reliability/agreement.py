@@ -259,9 +259,12 @@ def dtype_of(name):
         return np.dtype(getattr(ml_dtypes, name))
 
 
-def set_checking(disp, on):
-    """Turn group ``disp``'s agreement check off (``on`` False) or back on, as
-    ``init(check=False)`` leaves it: for the bench's on/off comparison in one run."""
+def set_checking(on, group=None):
+    """Turn the agreement check of ``group`` (None: the world) off (``on`` False) or back
+    on, as ``init(check=False)`` leaves it: for the bench's on/off comparison in one run."""
+    from .._state import get_group
+
+    disp = get_group(group).disp
     if not on:
         _OFF[id(disp)] = (disp.check, disp.peers, disp.shr)
         disp.check, disp.peers, disp.shr = False, (), None

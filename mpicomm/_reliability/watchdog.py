@@ -392,46 +392,45 @@ class Watchdog(Diagnosis, CrossHostCheck):
     def work_departed(self, what, waited):
         """Work.wait's periodic check: when a rank its call waits for has left its script,
         report it as for a blocking call (naming the rank and its exit status) and end the
-        job with that status; else return."""
-        if len(what) < 5 or self.fired:
+        job with that status; else return. ``what``: the Work's description
+        (mpicomm._backends.base.WorkDescription)."""
+        if (what.seq is None and not what.p2p) or self.fired:
             return
-        name, shape, dtype = what[:3]
-        desc = describe_array(shape, dtype)
-        if isinstance(what[4], tuple):   # a send or recv: ("p2p", code, world peer, tag)
-            _, code, peer, tag = what[4]
+        desc = describe_array(what.shape, what.dtype)
+        if what.p2p:   # a send or recv
+            peer = what.peer
             if peer < 0 or not self._exited([peer]):
                 return
             with self._lock:
                 if self.fired:
                     return
                 self.fired = True
-            msg = self.diagnose_p2p(what[3], code, peer, tag, desc, waited, early=True)
+            msg = self.diagnose_p2p(what.group, what.code, peer, what.tag, desc, waited, early=True)
             self._report(msg, True, [peer])
         else:
-            g, seq = what[3], what[4]
+            g, seq = what.group, what.seq
             if not self._peer_exited(g, seq):
                 return
             with self._lock:
                 if self.fired:
                     return
                 self.fired = True
-            msg = self.diagnose(g, seq, name, desc, waited, early=True)
+            msg = self.diagnose(g, seq, what.name, desc, waited, early=True)
             self._report(msg, True, g.ranks)
 
     def work_timeout(self, what, timeout):
-        """The error Work.wait raises when an async collective has not completed in time."""
-        name, shape, dtype = what[:3]
-        desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {dtype}"
-        if len(what) >= 5 and isinstance(what[4], tuple):   # a send or recv: ("p2p", code, peer, tag)
-            _, code, peer, tag = what[4]
+        """The error Work.wait raises when an async collective has not completed in time.
+        ``what``: the Work's description (mpicomm._backends.base.WorkDescription)."""
+        shape = what.shape
+        desc = f"shape {tuple(shape) if shape is not None else ()}, dtype {what.dtype}"
+        if what.p2p:   # a send or recv
             with self._lock:
-                msg = self.diagnose_p2p(what[3], code, peer, tag, desc, timeout, limit=timeout)
-        elif len(what) >= 5:
-            g, seq = what[3], what[4]
+                msg = self.diagnose_p2p(what.group, what.code, what.peer, what.tag, desc, timeout, limit=timeout)
+        elif what.seq is not None:
             with self._lock:
-                msg = self.diagnose(g, seq, name, desc, timeout, limit=timeout)
+                msg = self.diagnose(what.group, what.seq, what.name, desc, timeout, limit=timeout)
         else:
-            msg = f"{name} ({desc}) did not complete within {timeout:g} s"
+            msg = f"{what.name} ({desc}) did not complete within {timeout:g} s"
         sys.stderr.write(f"{rank_prefix()}CollectiveTimeoutError: {msg}\n")
         sys.stderr.flush()
         sys.stderr.write(self._flight_line("Work.wait timeout"))

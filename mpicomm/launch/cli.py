@@ -457,6 +457,63 @@ def _hosts(args, env):
             f"hosts from the {found.kind} allocation ({found.source}): {listing}")
 
 
+def _check_placement_words(args):
+    """--map-by, --bind-to and --rank-by take Open MPI's word: not empty, not an option."""
+    for option in ("map_by", "bind_to", "rank_by"):
+        value = getattr(args, option)
+        if value is not None and (not value.strip() or value.startswith("-")):
+            raise UsageError(f"--{option.replace('_', '-')} {value!r}: expected "
+                             f"Open MPI's value, e.g. --map-by core, --bind-to none, "
+                             f"--rank-by slot")
+
+
+def _python_notice(word, python, env, dry_run):
+    """The notice that a Python script runs under mpicomm-run's own Python, where that
+    is not the interpreter the PATH would give (or on a dry run): [] or [text]."""
+    on_path = shutil.which(word, path=env.get("PATH")) if os.sep not in word else python
+    if dry_run or on_path is None or \
+            os.path.dirname(os.path.abspath(on_path)) != os.path.dirname(python):
+        return [f"{word!r} runs as {python} -m mpi4py, the Python of "
+                f"mpicomm-run (give another interpreter's path to run it "
+                f"as it is)"]
+    return []
+
+
+def _wrap_program(args, hosts, nprocs, program, python):
+    """(program, watch): the rank program inside mpicomm.launch.rankwrap where the ranks
+    report their start-up to a StartupWatch (remote hosts) or write per-rank logs
+    (--log-dir), with the watch (None where there is none)."""
+    remote = [h.name for h in hosts or () if not _hostfile.is_local_host(h.name)]
+    watch = None
+    if remote and not args.dry_run:
+        # which hosts get ranks: slots fill in hostfile order (Open MPI's default)
+        expected, left = [], nprocs
+        for h in hosts:
+            if left <= 0:
+                break
+            expected.append(h.name)
+            left -= h.slots if h.slots else left
+        from .startup import StartupWatch
+
+        watch = StartupWatch(remote, expected, nprocs)
+        program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address, "--", *program]
+    if args.log_dir is not None:
+        log_dir = os.path.abspath(args.log_dir)
+        if not args.dry_run:
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"--log-dir {args.log_dir!r}: cannot create it "
+                                 f"({exc.strerror})") from exc
+        if watch is not None:   # one wrapper: report, then the log files
+            program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address,
+                       "--log-dir", log_dir, "--", *program[program.index("--") + 1:]]
+        else:
+            program = [python, "-m", "mpicomm.launch.rankwrap", "--log-dir", log_dir,
+                       "--", *program]
+    return program, watch
+
+
 def main(argv=None):
     """Parse the command line, check it, and run the job; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -470,12 +527,7 @@ def main(argv=None):
         nprocs = _positive_number(args.n, "-n", int)
         timeout = None if args.timeout is None else \
             _positive_number(args.timeout, "--timeout", float)
-        for option in ("map_by", "bind_to", "rank_by"):
-            value = getattr(args, option)
-            if value is not None and (not value.strip() or value.startswith("-")):
-                raise UsageError(f"--{option.replace('_', '-')} {value!r}: expected "
-                                 f"Open MPI's value, e.g. --map-by core, --bind-to none, "
-                                 f"--rank-by slot")
+        _check_placement_words(args)
         hosts, source, where_from = _hosts(args, os.environ)
         if where_from:
             notices.append(where_from)
@@ -493,43 +545,10 @@ def main(argv=None):
             map_by=args.map_by, bind_to=args.bind_to)
         notices += placed
         if kind == "python":
-            on_path = shutil.which(words[0], path=env.get("PATH")) if os.sep not in words[0] \
-                else python
-            if args.dry_run or on_path is None or \
-                    os.path.dirname(os.path.abspath(on_path)) != os.path.dirname(python):
-                notices.append(f"{words[0]!r} runs as {python} -m mpi4py, the Python of "
-                               f"mpicomm-run (give another interpreter's path to run it "
-                               f"as it is)")
+            notices += _python_notice(words[0], python, env, args.dry_run)
         launch_timeout = LAUNCH_TIMEOUT_S if args.launch_timeout is None else \
             _positive_number(args.launch_timeout, "--launch-timeout", float)
-        remote = [h.name for h in hosts or () if not _hostfile.is_local_host(h.name)]
-        watch = None
-        if remote and not args.dry_run:
-            # which hosts get ranks: slots fill in hostfile order (Open MPI's default)
-            expected, left = [], nprocs
-            for h in hosts:
-                if left <= 0:
-                    break
-                expected.append(h.name)
-                left -= h.slots if h.slots else left
-            from .startup import StartupWatch
-
-            watch = StartupWatch(remote, expected, nprocs)
-            program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address, "--", *program]
-        if args.log_dir is not None:
-            log_dir = os.path.abspath(args.log_dir)
-            if not args.dry_run:
-                try:
-                    os.makedirs(log_dir, exist_ok=True)
-                except OSError as exc:
-                    raise UsageError(f"--log-dir {args.log_dir!r}: cannot create it "
-                                     f"({exc.strerror})") from exc
-            if watch is not None:   # one wrapper: report, then the log files
-                program = [python, "-m", "mpicomm.launch.rankwrap", "--report", watch.address,
-                           "--log-dir", log_dir, "--", *program[program.index("--") + 1:]]
-            else:
-                program = [python, "-m", "mpicomm.launch.rankwrap", "--log-dir", log_dir,
-                           "--", *program]
+        program, watch = _wrap_program(args, hosts, nprocs, program, python)
         as_root = os.geteuid() == 0 and flavour.family == "openmpi"
         added_env = {}
         if flavour.family == "openmpi" and "OMPI_MCA_osc" not in env:

@@ -23,13 +23,13 @@ import functools
 import torch
 from torch import nn
 
-from .. import _collectives as collectives
+from .. import all_gather_object, broadcast, broadcast_object
 from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, invalid
 from ..training.families import TORCH
 from ..training.fused import broadcast_parameters
 from ..training.reducer import DistributedGradReducer
-from ._embedding import EmbeddingGather, check_mode
+from ._embedding import EmbeddingGather, GatherContext, check_mode
 
 
 def _flag(name, v):
@@ -46,7 +46,7 @@ def _same_model_everywhere(module, group):
                 for n, t in items]
 
     mine = sig("parameter", module.named_parameters()) + sig("buffer", module.named_buffers())
-    allv = get_group(group).mpi_comm.allgather(mine)
+    allv = all_gather_object(mine, group=group)
     for r, other in enumerate(allv):
         if other != allv[0]:
             diff = next((a, b) for a, b in zip(allv[0] + [None] * len(other), other + [None] * len(allv[0]))
@@ -81,7 +81,7 @@ class _BufferSync:
             for bs, flat, views in self.parts:
                 if root:
                     TORCH.pack(flat, bs)
-                collectives.broadcast(flat, 0, group=self.group)
+                broadcast(flat, 0, group=self.group)
                 if not root:
                     TORCH.copy_out(bs, views)
 
@@ -160,7 +160,7 @@ class DistributedDataParallel(nn.Module):
                                               fusion_config=fusion_config, compression=compression, group=group)
         # big gradients reduced from where autograd leaves them, not copied into the buckets
         # first (the same calls on every rank: the plan decides them)
-        self.reducer._direct_overlap = True
+        self.reducer.direct_overlap = True
         self._views = self.reducer.grad_views()
         with torch.no_grad():
             for p, v in zip(self._params, self._views):
@@ -176,7 +176,11 @@ class DistributedDataParallel(nn.Module):
         # the order gradients become ready in, recorded in the first synchronised backward
         # to re-plan the buckets once (as DDP does); not where a fusion_config fixes them
         self._order = [] if self.reducer.fusion_config is None and self._size > 1 else None
-        self._emb = EmbeddingGather(self, embedding_grads)
+        # what the gathered embeddings see of the wrapper
+        self._emb = EmbeddingGather(GatherContext(
+            module=module, params=self._params, group=group, size=self._size,
+            side_stream=lambda device: self.reducer.side_stream(TORCH, device),
+            queue_end=self._queue_end, gathering=lambda: self._in_forward and self._sync_step), embedding_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self._params)]
 
@@ -216,7 +220,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def buckets_started(self):
         """How many buckets of the current backward have had their all_reduce issued."""
-        return self.reducer._next
+        return self.reducer.launched
 
     # ----------------------------------------------------------- backward
     def _queue_end(self):
@@ -241,14 +245,14 @@ class DistributedDataParallel(nn.Module):
             # where it is into the bucket, a small one copied there first
             p.grad = v
             with torch.no_grad():
-                self.reducer._ready_from(i, g)
+                self.reducer.ready_from(i, g)
             return
         self.reducer.mark_ready(i)
 
     def _end_backward(self):
         self._in_backward = False
         red = self.reducer
-        missing = [i for i, r in enumerate(red._ready) if not r]
+        missing = red.pending()
         with torch.no_grad():
             for i in missing:  # no gradient this step: reduced as zeros, on every rank alike
                 p, v = self._params[i], self._views[i]
@@ -300,8 +304,8 @@ class DistributedDataParallel(nn.Module):
         order, self._order = list(dict.fromkeys(self._order)), None
         seen = set(order)
         order += [i for i in range(len(self._params) - 1, -1, -1) if i not in seen]
-        order = get_group(self.group).mpi_comm.bcast(order, root=0)
-        if not self.reducer._replan(order):
+        order = broadcast_object(order, root=0, group=self.group)
+        if not self.reducer.replan(order):
             return
         views = self.reducer.grad_views()
         with torch.no_grad():

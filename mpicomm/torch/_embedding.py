@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from .. import _collectives as collectives
-from .._state import CTX, get_group
+from .. import all_gather
+from .._objects import all_gather_small
+from .._state import CTX
 from ..errors import invalid
 from ..training.families import TORCH
 
@@ -61,7 +63,7 @@ class _Cut(torch.autograd.Function):
         # the gathered rows are added (and waited for) by the wrapper's end-of-backward
         # callback: queued here too, as no parameter hook fires where the lookup is the only
         # path to a trainable parameter (a frozen head, a loss straight from the lookup)
-        call.owner.ddp._queue_end()
+        call.owner.ctx.queue_end()
         call.launch(grad)
         return None, None, None
 
@@ -76,7 +78,7 @@ class _Call:
         self.works, self.all_ids, self.all_rows = (), None, None
 
     def launch(self, grad):
-        ddp = self.owner.ddp
+        ctx = self.owner.ctx
         w = self.module.weight
         d = w.shape[1]
         ids = self.ids.reshape(-1)
@@ -90,14 +92,14 @@ class _Call:
         total = sum(self.counts)
         sizes = None if len(set(self.counts)) == 1 else list(self.counts)
         # NCCL: ordered on the reducer's side stream after its all-reduces; MPI: async, waited in add_into
-        side = ddp.reducer._side_stream(TORCH, str(w.device)) \
+        side = ctx.side_stream(str(w.device)) \
             if rows.is_cuda and CTX.backend_name == "nccl" else None
         if side is not None:
             TORCH.side_waits_current(side)
         with TORCH.on(side) if side is not None else contextlib.nullcontext():
             self.all_ids = torch.empty(total, dtype=ids.dtype, device=w.device)
             self.all_rows = torch.empty(total, d, dtype=rows.dtype, device=w.device)
-            works = [collectives.all_gather(a, out=o, group=ddp.group, async_op=side is None, stream=side,
+            works = [all_gather(a, out=o, group=ctx.group, async_op=side is None, stream=side,
                                             sizes=sizes) for a, o in ((ids, self.all_ids), (rows, self.all_rows))]
         if side is None:
             self.works = works
@@ -118,21 +120,33 @@ class _Call:
         self.all_ids = self.all_rows = None
 
 
+class GatherContext(NamedTuple):
+    """What the gathered embeddings see of the wrapper (DistributedDataParallel)."""
+
+    module: nn.Module          # the wrapped model, whose nn.Embedding modules are hooked
+    params: list               # the reduced parameters, in the reducer's index order
+    group: str | None
+    size: int                  # the group's size
+    side_stream: Callable[[str], Any]   # device -> the reducer's side stream of the step there
+    queue_end: Callable[[], None]       # make sure the wrapper's end-of-backward work runs
+    gathering: Callable[[], bool]       # inside a forward whose backward synchronises
+
+
 class EmbeddingGather:
     """The wrapper's gathered embeddings: forward hooks on the eligible ``nn.Embedding``
     modules, the step's launched gathers, and which weights stay dense."""
 
-    def __init__(self, ddp, mode):
-        self.ddp = ddp
+    def __init__(self, ctx, mode):
+        self.ctx = ctx       # a GatherContext: what this sees of the wrapper
         self.mode = mode  # (checked by the wrapper)
         self.launched = []   # _Call objects whose gathers were issued in this backward
         self.dense = set()   # parameter indices kept on the dense path (no other gradient)
         self._anchors = {}
         self.handles = []
-        if mode == "all_reduce" or ddp._size == 1:
+        if mode == "all_reduce" or ctx.size == 1:
             return
-        index = {id(p): i for i, p in enumerate(ddp._params)}
-        for mod in ddp.module.modules():
+        index = {id(p): i for i, p in enumerate(ctx.params)}
+        for mod in ctx.module.modules():
             # max_norm renormalises rows in the lookup, scale_grad_by_freq divides by local
             # counts, sparse=True makes its own gradient: those keep autograd's path
             w = mod.weight if type(mod) is nn.Embedding else None
@@ -149,13 +163,13 @@ class EmbeddingGather:
         return a
 
     def _hook(self, i, mod, args, kwargs, out):
-        ddp = self.ddp
-        if not ddp._in_forward or not ddp._sync_step or i in self.dense or not torch.is_grad_enabled() \
+        ctx = self.ctx
+        if not ctx.gathering() or i in self.dense or not torch.is_grad_enabled() \
                 or not out.requires_grad:
             return None
         ids = args[0] if args else kwargs.get("input")
         # every rank decides alike: from the group's id counts, exchanged on the host
-        counts = get_group(ddp.group).mpi_comm.allgather(int(ids.numel()))
+        counts = all_gather_small(int(ids.numel()), group=ctx.group)
         if self.mode == "auto" and sum(counts) > mod.num_embeddings:
             return None
         call = _Call(self, i, mod, ids.detach(), counts)

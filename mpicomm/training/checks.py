@@ -28,7 +28,7 @@ class _GradChecks:
         # PyTorch gradients: shape, dtype and device index (-1: CPU), compared in one pass
         self.torch = self.torch_lists = None
         if specs and all(sp[0] is TORCH for sp in specs):
-            tsize = TORCH._t().Size
+            tsize = TORCH.lib().Size
             self.torch = [(tsize(sh), dt, int(dev.split(":")[1]) if ":" in dev else (-1 if dev == "cpu" else None))
                           for _, sh, dt, dev, _ in specs]
             self.torch_lists = tuple(list(c) for c in zip(*self.torch))

@@ -84,7 +84,8 @@ class _Cupy(_Numpy):
     gpu = True
 
     @staticmethod
-    def _cp():
+    def lib():
+        """CuPy (imported at the first use)."""
         import cupy
 
         return cupy
@@ -102,13 +103,13 @@ class _Cupy(_Numpy):
 
     @classmethod
     def zeros(cls, n, dtype, device):
-        cp = cls._cp()
+        cp = cls.lib()
         with cp.cuda.Device(int(device.split(":")[1])):
             return cp.zeros(n, dtype)
 
     @classmethod
     def empty(cls, n, dtype, device):
-        cp = cls._cp()
+        cp = cls.lib()
         dev = int(device.split(":")[1])
         if cp.cuda.runtime.getDevice() == dev:
             return cp.empty(n, dtype)
@@ -117,7 +118,7 @@ class _Cupy(_Numpy):
 
     @classmethod
     def copy(cls, dst, src):
-        cls._cp().copyto(dst, src, casting="unsafe")
+        cls.lib().copyto(dst, src, casting="unsafe")
 
     @classmethod
     def pack(cls, flat, arrays):
@@ -126,14 +127,14 @@ class _Cupy(_Numpy):
             base = flat.data.ptr
             src = [a.data.ptr for a in arrays]
             nb = [a.nbytes for a in arrays]
-            _multi_copy(cls._cp(), src, base, nb, gather=True)
+            _multi_copy(cls.lib(), src, base, nb, gather=True)
         else:
-            cls._cp().concatenate([a.reshape(-1) for a in arrays], out=flat)
+            cls.lib().concatenate([a.reshape(-1) for a in arrays], out=flat)
 
     @classmethod
     def copy_out(cls, dsts, srcs):
         """dsts[k][...] = srcs[k]: one kernel launch when every dst is C-contiguous."""
-        cp = cls._cp()
+        cp = cls.lib()
         if all(d.flags.c_contiguous and d.dtype == v.dtype for d, v in zip(dsts, srcs)):
             _multi_copy(cp, [d.data.ptr for d in dsts], [v.data.ptr for v in srcs], [v.nbytes for v in srcs],
                         gather=False)
@@ -143,32 +144,33 @@ class _Cupy(_Numpy):
 
     @classmethod
     def scale(cls, dst, src, n):
-        cls._cp().divide(src, n, out=dst, casting="unsafe")
+        cls.lib().divide(src, n, out=dst, casting="unsafe")
 
     @classmethod
     def new_stream(cls, device):
-        cp = cls._cp()
+        cp = cls.lib()
         with cp.cuda.Device(int(device.split(":")[1])):
             return cp.cuda.Stream(non_blocking=True)
 
     @classmethod
     def side_waits_current(cls, side):
-        side.wait_event(cls._cp().cuda.get_current_stream().record())
+        side.wait_event(cls.lib().cuda.get_current_stream().record())
 
     @classmethod
     def current_waits_side(cls, side):
-        cls._cp().cuda.get_current_stream().wait_event(side.record())
+        cls.lib().cuda.get_current_stream().wait_event(side.record())
 
     @classmethod
     def on(cls, side):
-        return _CupyOn(cls._cp(), side)
+        return _CupyOn(cls.lib(), side)
 
 
 class _Torch:
     name = "torch"
 
     @staticmethod
-    def _t():
+    def lib():
+        """PyTorch (imported at the first use)."""
         import torch
 
         return torch
@@ -183,20 +185,20 @@ class _Torch:
 
     @classmethod
     def half(cls, which):
-        t = cls._t()
+        t = cls.lib()
         return t.float16 if which == "fp16" else t.bfloat16
 
     @property
     def f32(self):
-        return self._t().float32
+        return self.lib().float32
 
     @classmethod
     def zeros(cls, n, dtype, device):
-        return cls._t().zeros(n, dtype=dtype, device=device)
+        return cls.lib().zeros(n, dtype=dtype, device=device)
 
     @classmethod
     def empty(cls, n, dtype, device):
-        return cls._t().empty(n, dtype=dtype, device=device)
+        return cls.lib().empty(n, dtype=dtype, device=device)
 
     @staticmethod
     def view(flat, off, n, shape):
@@ -204,12 +206,12 @@ class _Torch:
 
     @classmethod
     def copy(cls, dst, src):
-        with cls._t().no_grad():  # parameters are leaves that require grad
+        with cls.lib().no_grad():  # parameters are leaves that require grad
             dst.copy_(src)
 
     @classmethod
     def scale(cls, dst, src, n):
-        t = cls._t()
+        t = cls.lib()
         with t.no_grad():
             if dst is src:
                 dst.div_(n)
@@ -222,14 +224,14 @@ class _Torch:
 
     @classmethod
     def pack(cls, flat, arrays):
-        t = cls._t()
+        t = cls.lib()
         with t.no_grad():
             t.cat([a.detach().reshape(-1) for a in arrays], out=flat)
 
     @classmethod
     def views(cls, flat, like):
         """Views of ``flat`` shaped like the tensors ``like``, made in one C++ call."""
-        f = getattr(cls._t()._C._nn, "unflatten_dense_tensors", None)
+        f = getattr(cls.lib()._C._nn, "unflatten_dense_tensors", None)
         if f is not None:
             return list(f(flat, like))
         out, off = [], 0
@@ -240,7 +242,7 @@ class _Torch:
 
     @classmethod
     def copy_out(cls, dsts, srcs):
-        t = cls._t()
+        t = cls.lib()
         with t.no_grad():
             fe = getattr(t, "_foreach_copy_", None)  # one multi-tensor kernel (PyTorch >= 2.2)
             if fe is not None:
@@ -251,19 +253,19 @@ class _Torch:
 
     @classmethod
     def new_stream(cls, device):
-        return cls._t().cuda.Stream(device=device)
+        return cls.lib().cuda.Stream(device=device)
 
     @classmethod
     def side_waits_current(cls, side):
-        side.wait_stream(cls._t().cuda.current_stream(side.device))
+        side.wait_stream(cls.lib().cuda.current_stream(side.device))
 
     @classmethod
     def current_waits_side(cls, side):
-        cls._t().cuda.current_stream(side.device).wait_stream(side)
+        cls.lib().cuda.current_stream(side.device).wait_stream(side)
 
     @classmethod
     def on(cls, side):
-        return cls._t().cuda.stream(side)
+        return cls.lib().cuda.stream(side)
 
 
 NUMPY, CUPY, TORCH = _Numpy(), _Cupy(), _Torch()

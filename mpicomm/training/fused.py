@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _collectives as collectives
+from .. import all_reduce, broadcast
 from .._ops import ReduceOp, as_op
 from .._state import CTX, get_group
 from ..errors import invalid
@@ -51,9 +51,9 @@ def all_reduce_coalesced(arrays, op=ReduceOp.SUM, group=None):
             fam.copy(v, arrays[i])
             out[i] = v
         if nccl and _is_gpu(fam, specs[idx[0]][3]):
-            collectives.all_reduce(flat, op, out=flat, group=group)  # stream-ordered
+            all_reduce(flat, op, out=flat, group=group)  # stream-ordered
         else:
-            pending.append(collectives.all_reduce(flat, op, out=flat, group=group, async_op=True))
+            pending.append(all_reduce(flat, op, out=flat, group=group, async_op=True))
     for w in pending:
         w.wait()
     return out
@@ -76,7 +76,7 @@ def broadcast_parameters(parameters, root=0, group=None):
         if me:
             for i, v in zip(idx, views):
                 fam.copy(v, arrays[i])
-        collectives.broadcast(flat, int(root), group=group)
+        broadcast(flat, int(root), group=group)
         if not me:
             for i, v in zip(idx, views):
                 fam.copy(arrays[i], v)

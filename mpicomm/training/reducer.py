@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _collectives as collectives
+from .. import all_gather_object, all_reduce
 from .._dtypes import FLOAT_NAMES
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
@@ -56,7 +56,7 @@ def _agree(g, sig, err, params):
     """Compare the arguments' signature ``sig`` over group ``g``: every rank raises alike
     (its own ``err``, or the first rank's that has one), and ranks with different models
     are caught here, not in a hang."""
-    allv = g.mpi_comm.allgather((repr(sig), None if err is None else str(err)))
+    allv = all_gather_object((repr(sig), None if err is None else str(err)), group=g.name)
     if err is not None:
         raise err
     bad = [(r, e) for r, (_, e) in enumerate(allv) if e]
@@ -155,7 +155,7 @@ class DistributedGradReducer:
         self._keys = keys
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
         # mpicomm.torch.DistributedDataParallel, whose every rank takes the same path
-        self._direct_overlap = False
+        self.direct_overlap = False
         self._build(plan, specs)
         self._reset_step()
         self._sides = {}
@@ -194,7 +194,7 @@ class DistributedGradReducer:
         self._step = None  # this step's _Step, made as it starts
         self._keep = []    # sources read on a side stream, held until the step ends
 
-    def _replan(self, order):
+    def replan(self, order):
         """Re-plan the buckets for gradients that become ready in ``order`` (every index
         once), as DDP rebuilds its buckets after the first backward; only between steps,
         and only where the cap made the plan (a fusion_config is kept). The caller passes
@@ -216,6 +216,21 @@ class DistributedGradReducer:
         """The plan: lists of gradient indices, in the order their all_reduce runs."""
         return [list(b) for b in self._plan]
 
+    # ----------------------------------------------------------- the step API
+    # What a framework wrapper (mpicomm.torch.DistributedDataParallel) drives a step with,
+    # besides mark_ready() and wait(): direct_overlap (set before the first step), the
+    # gradients still pending, how many buckets have been launched, ready_from(), replan()
+    # between steps, and the side stream its own calls of the step are ordered on.
+
+    def pending(self):
+        """The indices of the gradients not marked ready in the current step."""
+        return [i for i, r in enumerate(self._ready) if not r]
+
+    @property
+    def launched(self):
+        """How many buckets of the current step have had their all_reduce issued."""
+        return self._next
+
     def grad_views(self):
         """Arrays shaped like the parameters that are views into the persistent buckets.
 
@@ -227,7 +242,7 @@ class DistributedGradReducer:
     # ----------------------------------------------------------- checks
     def _check_idle(self, what):
         if self._active:
-            missing = [i for i, r in enumerate(self._ready) if not r]
+            missing = self.pending()
             raise InvalidArgumentError(f"{what} during a step started with mark_ready() (gradients "
                                        f"{missing[:10]}{'...' if len(missing) > 10 else ''} not ready yet); "
                                        "finish it with wait() first")
@@ -258,7 +273,7 @@ class DistributedGradReducer:
                         t.group_start()  # one NCCL launch for the bucket (nested in _launch_all's)
                     try:
                         for src, dst in ops:
-                            collectives.all_reduce(src, b.op, out=dst, group=self.group, stream=side)
+                            all_reduce(src, b.op, out=dst, group=self.group, stream=side)
                     finally:
                         if t is not None:
                             t.group_end()
@@ -275,7 +290,7 @@ class DistributedGradReducer:
                     if step.nccl_group is None:  # (else after the group: _launch_all)
                         self._post(b)
                 else:
-                    b.work = collectives.all_reduce(b.wire, b.op, out=b.wire, group=self.group,
+                    b.work = all_reduce(b.wire, b.op, out=b.wire, group=self.group,
                                                     async_op=True)
 
     def _ops(self, b, direct):
@@ -301,9 +316,9 @@ class DistributedGradReducer:
             b.fam.copy(b.flat, b.wire)
 
     def _side(self, b):
-        return self._side_stream(b.fam, b.device)
+        return self.side_stream(b.fam, b.device)
 
-    def _side_stream(self, fam, device):
+    def side_stream(self, fam, device):
         """The side stream the step's all-reduces run on for (family, device); wait() makes
         the current stream wait for it."""
         key = (fam.name, device)
@@ -409,7 +424,7 @@ class DistributedGradReducer:
                     if b.fam is TORCH:
                         _torch_multi_copy(b.device, src, b.flat.data_ptr(), sizes, True, sizes_key=sizes)
                     else:
-                        _multi_copy(CUPY._cp(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
+                        _multi_copy(CUPY.lib(), src, b.flat.data.ptr, sizes, True, sizes_key=sizes)
                 elif into_views is not None and b.fam is TORCH:
                     # one multi-tensor copy (_foreach_copy_)
                     TORCH.copy_out(into_views[bi][:ns] if ns < len(b.indices) else into_views[bi], given)
@@ -503,15 +518,15 @@ class DistributedGradReducer:
 
     def _begin_overlapped(self):
         """Start a mark_ready() step: overlapped, and direct where DistributedDataParallel
-        set _direct_overlap."""
-        self._step = _OVERLAP_DIRECT if self._direct_overlap else _OVERLAP_PACKED
+        set direct_overlap."""
+        self._step = _OVERLAP_DIRECT if self.direct_overlap else _OVERLAP_PACKED
         self._active = True
 
-    def _ready_from(self, i, g):
+    def ready_from(self, i, g):
         """Gradient ``i`` is final in ``g``, a tensor of its own (mpicomm.torch's DDP after
         ``zero_grad(set_to_none=True)``): a big gradient of a direct step is reduced from
         ``g`` straight into ``grad_views()[i]``; any other is copied there first."""
-        direct = self._step.direct if self._active else self._direct_overlap  # (what the step will be)
+        direct = self._step.direct if self._active else self.direct_overlap  # (what the step will be)
         b = self._buckets[self._bucket_of[i]]
         j = self._pos[i]
         if direct and b.direct and j >= b.nsmall and _contiguous(g):
@@ -529,7 +544,7 @@ class DistributedGradReducer:
         them (or the grad views) in the parameters' order. Raises InvalidArgumentError
         when some gradient was not marked ready.
         """
-        missing = [i for i, r in enumerate(self._ready) if not r]
+        missing = self.pending()
         if missing:
             raise InvalidArgumentError(
                 f"wait() before every gradient was marked ready: missing {len(missing)} of "
