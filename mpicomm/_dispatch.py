@@ -30,7 +30,6 @@ from ._backends.base import IN_PLACE, NEVER, NEW, _dropped as _DROPPED, complete
 from ._callspec import plain_spec, spec_of
 from ._dispatch_checks import AgreementPaths
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
-from ._reliability.flight import new_ring
 from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, P2P, P2P_GH, P2P_TAG, calls_base, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
 from .errors import CollectiveMismatchError, CommunicationError, invalid
@@ -67,7 +66,7 @@ class Dispatcher(AgreementPaths):
                  "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync",
                  "xhost", "cb")
 
-    def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True):
+    def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True, ring=None):
         self.group = group
         self.transport = transport     # the group's transport (or the debug wrapper around it)
         self.last = [NEVER] * (len(COLLECTIVES) + 1)   # collective code -> its last prepared call
@@ -79,7 +78,7 @@ class Dispatcher(AgreementPaths):
         self.row = row                 # index of the group's "entered" word; "done" follows it
         self.seq = 0                   # collectives issued on the group so far
         self.watch = watch             # the watchdog: a Work's timeout error, a departed peer
-        self.fr = new_ring()           # the flight recorder's ring (a power of two long), or None
+        self.fr = ring                 # the flight recorder's ring (a power of two long), or None
         self.fmask = len(self.fr) - 1 if self.fr is not None else 0
         self.batch = None              # the Works of an open mpicomm.batch() block, or None
         self.gh = ghash(group.name)    # the group's hash in the progress words

@@ -145,7 +145,8 @@ def _attach(ctx: Context, g: Group) -> None:
     A group still being created (no transport yet) gets its transport later (_connect)."""
     rel = ctx.reliability
     t = rel.wrap(g.transport, g) if g.transport is not None else None
-    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog, rel=rel, check=ctx.check)
+    g.disp = Dispatcher(g, t, rel.progress.m, rel.row(g), rel.watchdog, rel=rel, check=ctx.check,
+                        ring=rel.flight.new_ring())
     g.call = g.disp.call
     if g.mpi_comm is not None:
         rel.attach(g)

@@ -30,11 +30,6 @@ VERSION = 1
 ALLOWED = f"an integer >= 0: the calls kept per group (default {DEFAULT}; 0 turns the flight recorder off)"
 DUMP_WAIT = 5.0   # seconds the watchdog waits for a record to be written before it goes on
 
-# The ring length of the dispatchers made from now on (0: no ring), set by the recorder
-# of the initialised context: the dispatcher takes its ring from new_ring().
-_slots = 0
-
-
 def size_from_env(rank=None):
     """N from MPICOMM_FLIGHT_RECORDER (default 64). Raises InvalidArgumentError naming the
     variable, its value and ``rank`` when it is not an integer >= 0."""
@@ -48,11 +43,6 @@ def size_from_env(rank=None):
     if n < 0:
         raise invalid(ENV, os.environ[ENV], ALLOWED, rank)
     return n
-
-
-def new_ring():
-    """The ring of a new group's dispatcher, or None when the recorder is off."""
-    return [None] * _slots if _slots else None
 
 
 def trace_path(rank, path=None):
@@ -92,7 +82,6 @@ class FlightRecorder:
     """The recorder of one initialised context: the size of new rings and writing the record."""
 
     def __init__(self, size, groups, progress, world_rank, world_size):
-        global _slots
         self.size = size                       # N: calls kept per group
         self.slots = 1 << (size - 1).bit_length() if size else 0
         self.groups = groups                   # () -> the live groups (each with .disp)
@@ -102,11 +91,13 @@ class FlightRecorder:
         self.peers = None   # the peers' windows a report's diagnosis read, for the record written with it
         # turns perf_counter_ns (what the hot path stores) into wall-clock ns
         self.origin = time.time_ns() - time.perf_counter_ns()
-        _slots = self.slots
+
+    def new_ring(self):
+        """The ring of a new group's dispatcher (a power of two long), or None when off."""
+        return [None] * self.slots if self.slots else None
 
     def close(self):
-        global _slots
-        _slots = 0
+        pass
 
     def record(self, reason, peers=None):
         """This rank's record as a JSON-ready dict: the calls of every group, oldest first.
