@@ -299,7 +299,7 @@ class Dispatcher(AgreementPaths):
         if async_op:
             r = self.transport.point_to_point(code, x, peer, tag, async_op, stream, recv)
             if r is not None and hasattr(r, "_what"):
-                r._what = r._what[:3] + (g, ("p2p", code, wpeer, tag))
+                r._group, r._p2p = g, (code, wpeer, tag)
                 r._watch = self.watch
             return r
         if wpeer < 0:   # the transport refuses it with the allowed range

@@ -207,7 +207,7 @@ class Work:
     ``is_completed()`` tells without blocking.
     """
 
-    __slots__ = ("_result", "_done", "_what", "_group", "_seq", "_post", "_watch", "__weakref__")
+    __slots__ = ("_result", "_done", "_what", "_group", "_seq", "_p2p", "_post", "_watch", "__weakref__")
 
     default_timeout: float | None = None   # set by init: the group's timeout (None: no limit)
 
@@ -217,18 +217,19 @@ class Work:
         self._what = what           # (name, shape, dtype), from the transport
         self._post = post
         self._watch = None          # from the dispatcher: the watchdog (diagnosis, departed peers)
-        # _group, _seq: set by the dispatcher on a collective or barrier (its group and call
-        # number); read through ``description``
+        # set by the dispatcher, read through ``description``: _group and _seq on a collective
+        # or barrier (its group and call number), _group and _p2p (code, world peer, tag) on a
+        # send or recv
 
     @property
     def description(self) -> WorkDescription:
         """What this Work stands for (:class:`WorkDescription`), for reports."""
-        what = self._what
-        name, shape, dtype = what[:3]
-        if len(what) >= 5:   # a send or recv, from the dispatcher: + (group, ("p2p", code, world peer, tag))
-            _, code, peer, tag = what[4]
-            return WorkDescription(name, shape, dtype, what[3], None, code, peer, tag)
-        return WorkDescription(name, shape, dtype, getattr(self, "_group", None), getattr(self, "_seq", None))
+        name, shape, dtype = self._what[:3]
+        group = getattr(self, "_group", None)
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None:
+            return WorkDescription(name, shape, dtype, group, None, *p2p)
+        return WorkDescription(name, shape, dtype, group, getattr(self, "_seq", None))
 
     def _poll(self):  # pragma: no cover - abstract
         raise NotImplementedError
