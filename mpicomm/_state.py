@@ -29,7 +29,9 @@ class Group:
         self.mpi_comm = mpi_comm       # an mpicomm-owned MPI communicator (never the user's)
         self.transport = transport     # the backend's transport (None on ranks outside the group)
         self.disp = None               # its Dispatcher (mpicomm._dispatch)
-        self.call = None               # disp.call: what every collective of the group runs
+        # what every collective of the group calls: disp.call, or disp.batch_call while an
+        # mpicomm.batch() block is open (the group's one entry point, set by the mode)
+        self.call = None
 
     def __repr__(self):
         return f"Group({self.name!r}, ranks={list(self.ranks)})"
