@@ -229,6 +229,11 @@ if want percall; then  # where a call's time goes (scripts/profile_percall.py), 
             grep -a -A22 "^# profile_percall" "$LOG" | tail -23 >>"$SUM"
         done
     done
+    for tree in "$PWD" ${BASE:+"$BASE"}; do   # and the bandwidth at 64 MiB, against raw
+        step "bw64M-$(basename "$tree")" 120 env PYTHONPATH="$tree:${PYTHONPATH#*:}" "${MPI[@]}" 2 "$PY" -m mpicomm.tools.bench \
+            --backend nccl --compare --coll all_reduce -b 64M -e 64M -n 0 --target-time 0.3 -w 5 --rounds 4
+        grep -a -E "^ +all_reduce +67108864 " "$LOG" | tail -2 >>"$SUM"
+    done
 fi
 # The rehearsal splits CUDA_VISIBLE_DEVICES' GPUs where it is set, else all of them.
 RGPU=$NGPU; [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && RGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
