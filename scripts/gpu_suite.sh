@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|capture]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|capture|checkcost]...
 #   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
 #                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
 #   scripts/gpu_suite.sh rehearsal-bind   (only when named; root) its hosts' doctor --net with Open
@@ -220,6 +220,13 @@ fi
 if want capture; then  # a DDP training step captured in one CUDA graph, replayed and checked
     step "capture-ddp-np2" 120 env CUDA_VISIBLE_DEVICES=0,1 "${MPI[@]}" 2 -x CUDA_VISIBLE_DEVICES "$PY" scripts/capture_ddp.py
     grep -a -E "^# capture_ddp|^# replayed|capture failed|Error" "$LOG" | tail -6 >>"$SUM"
+fi
+if want checkcost; then  # the agreement check's cost per call, CuPy and PyTorch (the bench's --check-cost)
+    for a in cupy torch; do
+        step "percall-check-$a" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --rounds 20 --array "$a" \
+            --json "$RES/percall_check_$a.json"
+        grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
+    done
 fi
 if want percall; then  # where a call's time goes (scripts/profile_percall.py), CuPy and PyTorch; BASE=dir: also that tree's mpicomm
     for a in cupy torch; do
