@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import os
 import sys
 
@@ -109,8 +110,16 @@ def main():
         print(f"# replayed {a.steps} steps; parameters against one process on the global batch: "
               f"worst relative difference {worst:.2e} on rank 0: {'OK' if flag.item() == 0 else 'MISMATCH'}",
               flush=True)
+    ok = flag.item() == 0
+    # a hang from here on names itself: every thread's stack after 60 s
+    faulthandler.dump_traceback_later(60, exit=True)
+    del graph                  # the captured NCCL calls go before the communicator does
+    torch.cuda.synchronize()
     mpicomm.finalize()
-    sys.exit(0 if flag.item() == 0 else 1)
+    faulthandler.cancel_dump_traceback_later()
+    if rank == 0:
+        print("# finalized", flush=True)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
+PY=$(command -v "$PY") || { echo "gpu_suite.sh: no interpreter ${PY}" >&2; exit 1; }   # (absolute: the rehearsal's hosts have another PATH)
 if ! "$PY" -c "import pytest_mpi, pytest_timeout, ml_dtypes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         $(ls .whl/pytest_mpi-*.whl .whl/pytest_timeout-*.whl .whl/ml_dtypes-*.whl 2>/dev/null) >/dev/null 2>&1
