@@ -38,6 +38,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-cap-mb", type=float, default=0.05, help="small: several buckets")
+    ap.add_argument("--keep-graph", action="store_true",
+                    help="finalize with the graph still alive (NCCL cannot destroy the communicator then: "
+                         "finalize says so after mpicomm's wait and goes on)")
     a = ap.parse_args()
     mpicomm.init(backend="nccl")
     import torch
@@ -112,7 +115,8 @@ def main():
               flush=True)
     ok = flag.item() == 0
     # a hang from here on names itself: every thread's stack after 60 s
-    faulthandler.dump_traceback_later(60, exit=True)
+    faulthandler.dump_traceback_later(90, exit=True)
+    keep = graph if a.keep_graph else None   # noqa: F841 (alive through finalize)
     del graph                  # the captured NCCL calls go before the communicator does
     torch.cuda.synchronize()
     mpicomm.finalize()

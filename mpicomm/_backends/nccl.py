@@ -9,6 +9,9 @@ can mix them. Work is enqueued on CuPy's current stream (PyTorch's for tensors) 
 """
 from __future__ import annotations
 
+import gc
+import sys
+import threading
 import time
 
 from .._arrays import is_gpu_array, is_torch
@@ -59,6 +62,34 @@ class _Aborted:
 
 
 _ABORTED = _Aborted()
+
+
+# Seconds finalize() gives ncclCommDestroy. NCCL waits in it until every CUDA graph that
+# captured a call of the communicator has been destroyed (the graph holds the communicator's
+# resources): a graph still referenced at finalize() would make it wait forever.
+DESTROY_WAIT = 10.0
+
+
+def _destroy(comm, rank, device):
+    """Destroy NCCL communicator ``comm`` (in a thread on ``device()``, a context manager)
+    within DESTROY_WAIT s, else say why and go on."""
+    gc.collect()   # graphs nobody references any more go first
+    done = []
+
+    def destroy():
+        try:
+            with device():
+                comm.destroy()
+        finally:
+            done.append(True)
+    t = threading.Thread(target=destroy, name="mpicomm-nccl-destroy", daemon=True)
+    t.start()
+    t.join(DESTROY_WAIT)
+    if not done:
+        print(f"mpicomm: rank {rank}: finalize() could not destroy the NCCL communicator within "
+              f"{DESTROY_WAIT:g} s: NCCL waits until every CUDA graph that captured one of its calls is "
+              "destroyed. Delete such graphs (del graph) before finalize(); the communicator is left to "
+              "the process's exit.", file=sys.stderr, flush=True)
 
 
 class NCCLWork(Work):
@@ -137,9 +168,9 @@ class NCCLTransport(GPUArrays, StagedTags):
                          REDUCE: self._prepare_reduce, ALL_TO_ALL: self._prepare_all_to_all}
 
     def close(self):
-        if self.comm is not None and self.comm is not _ABORTED:
-            self.comm.destroy()
-        self.comm = None
+        c, self.comm = self.comm, None
+        if c is not None and c is not _ABORTED:
+            _destroy(c, self.rank, lambda: self.cupy.cuda.Device(self.device_id))
         self.tagged.close()
         self.host.close()
 
