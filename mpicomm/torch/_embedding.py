@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import all_gather
+from .._backends.capture import current_capturing
 from .._objects import all_gather_small
 from .._state import CTX
 from ..errors import invalid
@@ -168,6 +169,10 @@ class EmbeddingGather:
                 or not out.requires_grad:
             return None
         ids = args[0] if args else kwargs.get("input")
+        if current_capturing():
+            raise invalid("embedding_grads", repr(self.mode), '"all_reduce" for a step captured in a CUDA '
+                          "graph: gathering the rows exchanges the step's id counts on the host, which a "
+                          "replay would not repeat")
         # every rank decides alike: from the group's id counts, exchanged on the host
         counts = all_gather_small(int(ids.numel()), group=ctx.group)
         if self.mode == "auto" and sum(counts) > mod.num_embeddings:
