@@ -1,0 +1,129 @@
+"""cupy.cuda of the double: devices (numbers only), streams and events (work runs eagerly,
+so an event is complete once the sends recorded before it have completed)."""
+import itertools
+import os
+import threading
+import weakref
+
+_tls = threading.local()
+_ptrs = itertools.count(0x7E570000, 0x100)   # handles of streams and events (never real ones)
+_events = weakref.WeakValueDictionary()      # event handle -> Event, for runtime.eventRecord
+
+
+def device_count():
+    return int(os.environ.get("FAKECUPY_DEVICES", "8"))
+
+
+def _current_device():
+    return getattr(_tls, "device", 0)
+
+
+def _drain():
+    """Complete every send still pending (what synchronising a stream or device waits for)."""
+    from . import nccl
+
+    nccl._wait_pending(None)
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = _current_device() if device is None else int(device)
+        if not 0 <= self.id < device_count():
+            raise ValueError(f"device {self.id} does not exist (the double has {device_count()})")
+        self._prev = []
+
+    def use(self):
+        _tls.device = self.id
+
+    def __enter__(self):
+        self._prev.append(_current_device())
+        self.use()
+        return self
+
+    def __exit__(self, *exc):
+        _tls.device = self._prev.pop()
+        return False
+
+    def synchronize(self):
+        _drain()
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return self.id
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id} (fake)>"
+
+
+class Stream:
+    """A stream: ``ptr`` is its handle (0 for the null stream); its work has run eagerly."""
+
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        self.ptr = 0 if null else next(_ptrs)
+        self.device_id = _current_device()
+        self._prev = []
+
+    def use(self):
+        _tls.stream = self
+        return self
+
+    def __enter__(self):
+        self._prev.append(get_current_stream())
+        return self.use()
+
+    def __exit__(self, *exc):
+        _tls.stream = self._prev.pop()
+        return False
+
+    def synchronize(self):
+        _drain()
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        pass
+
+    @property
+    def done(self):
+        from . import nccl
+
+        return nccl._test_pending(None)
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream(device_id=None):
+    s = getattr(_tls, "stream", None)
+    return Stream.null if s is None else s
+
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.ptr = next(_ptrs)
+        self._after = None   # the pending sends its record waits for (None: nothing)
+        _events[self.ptr] = self
+
+    def record(self, stream=None):
+        from . import nccl
+
+        self._after = nccl._pending_now()
+
+    @property
+    def done(self):
+        from . import nccl
+
+        return nccl._test_pending(self._after)
+
+    def synchronize(self):
+        from . import nccl
+
+        nccl._wait_pending(self._after)
+
+
+from . import nccl, runtime  # noqa: E402,F401
