@@ -130,23 +130,27 @@ def test_collectives_every_dtype_and_op(cp, which, async_op, request):
 
 
 # ----------------------------------------------------------------------- roles
-def test_roles_out_in_place_and_nccl_slots(cp, request):
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])   # (async: the general path)
+def test_roles_out_in_place_and_nccl_slots(cp, async_op, request):
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     key = request.node.name
     xs = [data(q, key, (2 * n, 3), "float32") for q in range(n)]
     full = reduce_np(xs, ReduceOp.SUM)
+
+    def go(fn, *a, **kw):
+        return done(fn(*a, async_op=async_op, **kw), async_op)
+
     # out= a new array: written and returned, the input untouched
     x = cp.asarray(xs[r])
-    for fn, want in ((lambda o: mpicomm.all_reduce(x, out=o), full),
-                     (lambda o: mpicomm.reduce_scatter(x, out=o), full[2 * r:2 * r + 2]),
-                     (lambda o: mpicomm.all_gather(x, out=o), np.concatenate(xs)),
-                     (lambda o: mpicomm.all_to_all(x, out=o), np.concatenate([a[2 * r:2 * r + 2] for a in xs]))):
+    for fn, want in ((mpicomm.all_reduce, full), (mpicomm.reduce_scatter, full[2 * r:2 * r + 2]),
+                     (mpicomm.all_gather, np.concatenate(xs)),
+                     (mpicomm.all_to_all, np.concatenate([a[2 * r:2 * r + 2] for a in xs]))):
         o = cp.zeros(want.shape, np.float32)
-        assert fn(o) is o
+        assert go(fn, x, out=o) is o
         close(o.get(), want)
         close(x.get(), xs[r])
     o = cp.zeros((2 * n, 3), np.float32)
-    got = mpicomm.reduce(x, ReduceOp.MAX, root=0, out=o)
+    got = go(mpicomm.reduce, x, ReduceOp.MAX, root=0, out=o)
     if r == 0:
         assert got is o
         close(o.get(), reduce_np(xs, ReduceOp.MAX))
@@ -154,41 +158,42 @@ def test_roles_out_in_place_and_nccl_slots(cp, request):
     for mode in ("x", "view"):
         x = cp.asarray(xs[r])
         o = x if mode == "x" else x.view()
-        assert mpicomm.all_reduce(x, out=o) is o
+        assert go(mpicomm.all_reduce, x, out=o) is o
         close(x.get(), full)
         x = cp.asarray(xs[r])
         o = x if mode == "x" else x.view()
-        assert mpicomm.all_to_all(x, out=o) is o
+        assert go(mpicomm.all_to_all, x, out=o) is o
         close(x.get(), np.concatenate([a[2 * r:2 * r + 2] for a in xs]))
     # NCCL's own in-place forms: x is this rank's slot of all_gather's out, reduce_scatter's
     # out is this rank's slot of x
     big = cp.zeros((2 * n * n, 3), np.float32)
     mine = big[2 * n * r:2 * n * (r + 1)]
     mine[...] = cp.asarray(xs[r])
-    assert mpicomm.all_gather(mine, out=big) is big
+    assert go(mpicomm.all_gather, mine, out=big) is big
     close(big.get(), np.concatenate(xs))
     x = cp.asarray(xs[r])
     slot = x[2 * r:2 * r + 2]
-    assert mpicomm.reduce_scatter(x, out=slot) is slot
+    assert go(mpicomm.reduce_scatter, x, out=slot) is slot
     close(slot.get(), full[2 * r:2 * r + 2])
     # a non-contiguous input is copied; broadcast writes back into it
     wide = cp.asarray(np.stack([xs[r], -xs[r]], axis=1))     # (2n, 2, 3)
     strided = wide[:, 0]
     assert not strided._c_contiguous
-    close(mpicomm.all_reduce(strided).get(), full)
-    assert mpicomm.broadcast(strided, root=n - 1) is strided
+    close(go(mpicomm.all_reduce, strided).get(), full)
+    assert go(mpicomm.broadcast, strided, root=n - 1) is strided
     close(wide.get()[:, 0], xs[n - 1])
     close(wide.get()[:, 1], -xs[r])   # its neighbours untouched
+
     # an array known only by __cuda_array_interface__ (another library's): results as CuPy
     class Foreign:
         def __init__(self, a):
             self.a = a
             self.__cuda_array_interface__ = a.__cuda_array_interface__
-    got = mpicomm.all_reduce(Foreign(cp.asarray(xs[r])), ReduceOp.MIN)
+    got = go(mpicomm.all_reduce, Foreign(cp.asarray(xs[r])), ReduceOp.MIN)
     assert type(got) is cp.ndarray
     close(got.get(), reduce_np(xs, ReduceOp.MIN))
     # NumPy arrays on the NCCL backend take its MPI transport, and stay NumPy
-    h = mpicomm.all_reduce(xs[r].copy())
+    h = go(mpicomm.all_reduce, xs[r].copy())
     assert type(h) is np.ndarray
     close(h, full)
 

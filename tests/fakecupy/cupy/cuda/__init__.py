@@ -20,8 +20,6 @@ def _current_device():
 
 def _drain():
     """Complete every send still pending (what synchronising a stream or device waits for)."""
-    from . import nccl
-
     nccl._wait_pending(None)
 
 
@@ -90,8 +88,6 @@ class Stream:
 
     @property
     def done(self):
-        from . import nccl
-
         return nccl._test_pending(None)
 
 
@@ -106,24 +102,19 @@ def get_current_stream(device_id=None):
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.ptr = next(_ptrs)
-        self._after = None   # the pending sends its record waits for (None: nothing)
+        self._after = None   # the last pending send its record waits for (None: none)
         _events[self.ptr] = self
 
     def record(self, stream=None):
-        from . import nccl
-
         self._after = nccl._pending_now()
 
     @property
     def done(self):
-        from . import nccl
-
-        return nccl._test_pending(self._after)
+        return self._after is None or nccl._test_pending(self._after)
 
     def synchronize(self):
-        from . import nccl
+        if self._after is not None:
+            nccl._wait_pending(self._after)
 
-        nccl._wait_pending(self._after)
 
-
-from . import nccl, runtime  # noqa: E402,F401
+from . import nccl, runtime  # noqa: E402,F401  (cupy.cuda.nccl, cupy.cuda.runtime)

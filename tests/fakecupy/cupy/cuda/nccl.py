@@ -111,14 +111,9 @@ def _pending_now():
 def _test_pending(upto):
     """True when every pending send numbered up to ``upto`` (None: all) has completed."""
     with _lock:
-        keep = []
-        for item in _pending:
-            if (upto is None or item[0] <= upto) and not item[1].Test():
-                keep.append(item)
-            elif upto is not None and item[0] > upto:
-                keep.append(item)
-        _pending[:] = keep
-        return not any(upto is None or s <= upto for s, _, _ in keep)
+        left = [it for it in _pending if not ((upto is None or it[0] <= upto) and it[1].Test())]
+        _pending[:] = left
+        return all(upto is not None and s > upto for s, _, _ in left)
 
 
 def _wait_pending(upto):
@@ -160,10 +155,7 @@ def groupEnd():
     if not calls:
         return
     gid = next(_groups)
-    try:
-        _check_group(calls)
-    except NcclError:
-        raise
+    _check_group(calls)
     started = []
     for comm, name, regions, post in calls:
         history.append((gid, name, sum(nb for _, _, nb in regions)))
