@@ -394,6 +394,27 @@ def test_bad_arguments_refused_on_every_rank(cp, request):
     close(mpicomm.all_reduce(cp.asarray(xs[r])).get(), reduce_np(xs, ReduceOp.SUM))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_refusal_on_one_rank_stands_in(cp):
+    """A wrong out= on one rank only (refused in the transport's checks) and a dtype that
+    differs on one rank: the agreement check's contract (tests/test_agreement.py), where the
+    refusing rank stands in with a scratch array of the double so that no rank stays blocked
+    inside the NCCL call; the next call is right."""
+    from test_agreement import _other, _run_case
+
+    if not mpicomm._state.CTX.check:
+        pytest.skip("the agreement check is off (MPICOMM_CHECK=0)")
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    bad = _other(n, 22)
+    x = cp.asarray(np.random.default_rng(r).standard_normal(6).astype(np.float32))
+    out = cp.zeros(5 if r == bad else 6, np.float32)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, out=out), 3200, returns_ok=lambda res: r != bad)
+    if r == bad:
+        assert isinstance(err, InvalidArgumentError) and "out.shape" in str(err), err
+    y = cp.asarray((np.random.default_rng(r).standard_normal(4 * n) * 10).astype(np.int32 if r == bad else np.float32))
+    _run_case(n, r, lambda: mpicomm.all_reduce(y), 3300, returns_ok=lambda res: True)
+
+
 def test_the_double_refuses_what_nccl_would(cp):
     """The double's own checks, which keep the tests above honest: a count past the end of
     an allocation, a host pointer, overlapping buffers and a receive of the wrong size."""
