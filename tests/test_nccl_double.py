@@ -198,6 +198,86 @@ def test_roles_out_in_place_and_nccl_slots(cp, async_op, request):
     close(h, full)
 
 
+# ----------------------------------------------------------------------- streams
+def test_explicit_and_current_streams(cp, request):
+    """stream= a non-blocking stream, and a stream made current: the double's stream-order
+    model raises where a read on one stream follows a write on another that nothing orders."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    xs = [data(q, request.node.name, (2 * n, 3), "float32") for q in range(n)]
+    full = reduce_np(xs, ReduceOp.SUM)
+    s = cp.cuda.Stream(non_blocking=True)
+    x = cp.asarray(xs[r])
+    with pytest.raises(cp.StreamHazardError, match="NCCL allReduce reads"):   # the model itself
+        mpicomm.all_reduce(x, stream=s)           # (the copy into x, on the null stream, may still run)
+    cp.cuda.Device().synchronize()
+    got = mpicomm.all_reduce(x, stream=s)
+    with pytest.raises(cp.StreamHazardError, match=r"x\.get\(\) reads"):
+        got.get()                                 # (s not synchronised)
+    s.synchronize()
+    close(got.get(), full)
+    o = cp.zeros((2 * n * n, 3), np.float32)
+    cp.cuda.Device().synchronize()
+    assert mpicomm.all_gather(x, out=o, stream=s) is o
+    w = mpicomm.reduce_scatter(x, stream=s, async_op=True)
+    res = w.wait()
+    s.synchronize()
+    close(o.get(), np.concatenate(xs))
+    close(res.get(), full[2 * r:2 * r + 2])
+    with s:   # the current stream: the transport's own copies are ordered with the call
+        y = cp.asarray(xs[r])
+        close(mpicomm.all_reduce(y[::-1]).get(), full[::-1])
+        close(mpicomm.all_to_all(y, out=y).get(), np.concatenate([a[2 * r:2 * r + 2] for a in xs]))
+    if n > 1:   # a tag: staged through the host on the call's stream
+        z = cp.asarray(xs[r])
+        cp.cuda.Device().synchronize()
+        got = mpicomm.sendrecv(z, (r + 1) % n, src=(r - 1) % n, tag=3, stream=s)
+        s.synchronize()
+        close(got.get(), xs[(r - 1) % n])
+
+
+STAGING = "transport bug: the transport's own copy of {} runs on CuPy's current stream, the NCCL call on " \
+          "the stream= given, and nothing orders the two (a race on a GPU with a non-blocking stream)"
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param("strided all_reduce", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
+        "a non-contiguous input (_binder's cupy.ascontiguousarray)"))),
+    pytest.param("strided broadcast", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
+        "a non-contiguous input, and broadcast's write-back (_write_back)"))),
+    pytest.param("all_to_all in place", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
+        "x in all_to_all(x, out=x) (_prepare_all_to_all's staging)"))),
+    pytest.param("sendrecv out=x", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
+        "x in sendrecv(x, out=x) (xa.copy())"))),
+    pytest.param("gather in place", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
+        "x where it is part of out (_prepare_v's xa.copy())"))),
+])
+def test_transport_copies_on_the_calls_stream(cp, case, request):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    xs = [data(q, request.node.name, (2 * n, 3), "float32") for q in range(n)]
+    s = cp.cuda.Stream(non_blocking=True)
+    x = cp.asarray(xs[r])
+    wide = cp.asarray(np.stack([xs[r], -xs[r]], axis=1))
+    big = cp.zeros((2 * n * n, 3), np.float32)
+    big[2 * n * r:2 * n * (r + 1)] = x
+    cp.cuda.Device().synchronize()
+    if case == "strided all_reduce":
+        got, want = mpicomm.all_reduce(wide[:, 0], stream=s), reduce_np(xs, ReduceOp.SUM)
+    elif case == "strided broadcast":
+        got, want = mpicomm.broadcast(wide[:, 0], root=0, stream=s), xs[0]
+    elif case == "all_to_all in place":
+        got, want = mpicomm.all_to_all(x, out=x, stream=s), np.concatenate([a[2 * r:2 * r + 2] for a in xs])
+    elif case == "sendrecv out=x":
+        got, want = mpicomm.sendrecv(x, (r + 1) % n, out=x, src=(r - 1) % n, stream=s), xs[(r - 1) % n]
+    else:
+        got = mpicomm.gather(big[2 * n * r:2 * n * (r + 1)] if r == 0 else x, 0, out=big if r == 0 else None,
+                             sizes=[2 * n] * n, stream=s)
+        want = np.concatenate(xs) if r == 0 else None
+    s.synchronize()
+    cp.cuda.Device().synchronize()
+    if want is not None:
+        close(got.get(), want)
+
+
 # ----------------------------------------------------------------------- uneven layouts
 def sizes_of(n, salt=0):
     return [(3 * q + 1 + salt) % 4 for q in range(n)]   # zeros included from 2 ranks on

@@ -88,6 +88,61 @@ def host_view(ptr, nbytes, what="buffer"):
     return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), np.uint8)
 
 
+# ----------------------------------------------------------------- stream order
+# Work runs eagerly, but the double remembers, per allocation, the stream of its last write
+# not yet known complete; a read on a stream that nothing orders after that one is a race on
+# a GPU and raises StreamHazardError. Ordered: the same stream, or the legacy null stream
+# (handle 0) and a blocking stream. A synchronisation of a stream (or the device) clears its
+# writes; an event's synchronize and a stream's wait_event clear those of the event's stream
+# (lenient: also writes after its record). Only read-after-write is modelled.
+_dirty = {}            # allocation start -> (stream handle, what wrote it)
+_nonblocking = set()   # handles of non-blocking streams
+
+
+class StreamHazardError(RuntimeError):
+    pass
+
+
+def _current():
+    from .cuda import get_current_stream
+
+    return get_current_stream().ptr
+
+
+def _ordered(q, s):
+    return q == s or (q == 0 and s not in _nonblocking) or (s == 0 and q not in _nonblocking)
+
+
+def wrote(ptr, nbytes, stream, what):
+    hit = lookup(ptr, nbytes) if nbytes else None
+    if hit is not None:
+        _dirty[hit[0]] = (stream, what)
+
+
+def read(ptr, nbytes, stream, what):
+    hit = lookup(ptr, nbytes) if nbytes else None
+    d = _dirty.get(hit[0]) if hit is not None else None
+    if d is not None and not _ordered(d[0], stream):
+        raise StreamHazardError(f"{what} reads [{ptr:#x}, +{nbytes} B) on stream {stream:#x}, last written by "
+                                f"{d[1]} on stream {d[0]:#x}, and nothing orders the two (a race on a GPU)")
+
+
+def synced(stream=None):
+    """Writes of ``stream`` (None: every stream) are complete."""
+    for k in [k for k, (q, _) in _dirty.items() if stream is None or q == stream]:
+        _dirty.pop(k, None)
+
+
+def _rd(a, what):
+    if a.size:
+        read(a.__array_interface__["data"][0], a.nbytes if a.flags.c_contiguous else 1, _current(), what)
+
+
+def _wr(a, what):
+    if a.size:
+        wrote(a.__array_interface__["data"][0], a.nbytes if a.flags.c_contiguous else 1, _current(), what)
+
+
 # ----------------------------------------------------------------- arrays
 class MemoryPointer:
     __slots__ = ("ptr", "device_id")
@@ -146,12 +201,17 @@ class ndarray:
         return ndarray(self._a[idx], self._dev)
 
     def __setitem__(self, idx, value):
+        if isinstance(value, ndarray):
+            _rd(value._a, "an array copy (x[...] = y)")
         self._a[idx] = value._a if isinstance(value, ndarray) else value
+        _wr(self._a, "an array copy (x[...] = y)")
 
     def copy(self):
+        _rd(self._a, "x.copy()")
         return _wrap_copy(self._a, self._dev)
 
     def astype(self, dtype):
+        _rd(self._a, "x.astype()")
         return _wrap_copy(self._a.astype(dtype), self._dev)
 
     def reshape(self, *shape):
@@ -165,12 +225,15 @@ class ndarray:
 
     def fill(self, v):
         self._a.fill(v)
+        _wr(self._a, "x.fill()")
 
     def get(self, stream=None):
         """A host copy (like CuPy, after the stream's work: here, pending sends drained)."""
         from .cuda import _drain
 
         _drain()
+        _rd(self._a, "x.get()")   # (on the current stream, which it then synchronises)
+        synced(_current())
         return self._a.copy()
 
     def set(self, h, stream=None):
@@ -178,6 +241,7 @@ class ndarray:
         if h.shape != self._a.shape or h.dtype != self._a.dtype:
             raise ValueError(f"set: shape/dtype {h.shape}/{h.dtype} differ from {self._a.shape}/{self._a.dtype}")
         self._a[...] = h
+        _wr(self._a, "x.set()")
 
 
 def _wrap_copy(a, dev=None):
@@ -188,6 +252,7 @@ def _wrap_copy(a, dev=None):
     with Device(dev):
         o = _allocate(a.shape, a.dtype)
     o[...] = a
+    _wr(o, "a copy into a new array")
     return ndarray(o, dev)
 
 
@@ -197,7 +262,7 @@ def empty(shape, dtype=float, order="C"):
 
 def zeros(shape, dtype=float):
     o = empty(shape, dtype)
-    o._a[...] = 0
+    o.fill(0)
     return o
 
 

@@ -18,6 +18,12 @@ def _current_device():
     return getattr(_tls, "device", 0)
 
 
+def _registry():
+    import cupy
+
+    return cupy
+
+
 def _drain():
     """Complete every send still pending (what synchronising a stream or device waits for)."""
     nccl._wait_pending(None)
@@ -44,6 +50,7 @@ class Device:
 
     def synchronize(self):
         _drain()
+        _registry().synced(None)
 
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
@@ -61,6 +68,8 @@ class Stream:
     def __init__(self, null=False, non_blocking=False, ptds=False):
         self.ptr = 0 if null else next(_ptrs)
         self.device_id = _current_device()
+        if non_blocking:
+            _registry()._nonblocking.add(self.ptr)
         self._prev = []
 
     def use(self):
@@ -77,6 +86,7 @@ class Stream:
 
     def synchronize(self):
         _drain()
+        _registry().synced(self.ptr)
 
     def record(self, event=None):
         event = event or Event()
@@ -84,7 +94,8 @@ class Stream:
         return event
 
     def wait_event(self, event):
-        pass
+        if event._stream is not None:
+            _registry().synced(event._stream)
 
     @property
     def done(self):
@@ -103,10 +114,12 @@ class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.ptr = next(_ptrs)
         self._after = None   # the last pending send its record waits for (None: none)
+        self._stream = None  # the handle of the stream it was recorded on
         _events[self.ptr] = self
 
     def record(self, stream=None):
         self._after = nccl._pending_now()
+        self._stream = get_current_stream().ptr if stream is None else getattr(stream, "ptr", stream)
 
     @property
     def done(self):
@@ -115,6 +128,8 @@ class Event:
     def synchronize(self):
         if self._after is not None:
             nccl._wait_pending(self._after)
+        if self._stream is not None:
+            _registry().synced(self._stream)
 
 
 from . import nccl, runtime  # noqa: E402,F401  (cupy.cuda.nccl, cupy.cuda.runtime)

@@ -260,6 +260,7 @@ class NcclCommunicator:
             raise NcclError(f"{name}: count {count!r} is not a non-negative int")
         if not isinstance(stream, int) or isinstance(stream, bool):
             raise NcclError(f"{name}: stream {stream!r} is not a cudaStream_t (an int)")
+        self._stream = stream
         return np.dtype(dt() if callable(dt) and not isinstance(dt, type) else dt)
 
     def _peer(self, name, what, v):
@@ -268,7 +269,7 @@ class NcclCommunicator:
         return v
 
     def _buf(self, name, what, ptr, nbytes):
-        from .. import host_view, lookup
+        from .. import host_view, lookup, read, wrote
 
         if not isinstance(ptr, int) or isinstance(ptr, bool):
             raise NcclError(f"{name}: {what} {ptr!r} is not a device pointer (an int)")
@@ -279,6 +280,8 @@ class NcclCommunicator:
         hit = lookup(ptr, nbytes) if nbytes else None
         if hit is not None and hit[2] != self._dev:
             raise NcclError(f"{name}: {what} is on device {hit[2]}, the communicator on device {self._dev}")
+        # the stream-order model: NCCL reads sendbuff and writes recvbuff on the call's stream
+        (read if what == "sendbuff" else wrote)(ptr, nbytes, self._stream, f"NCCL {name}")
         return v
 
     @staticmethod

@@ -30,7 +30,7 @@ def eventRecord(event, stream):
     ev = _events.get(event)
     if ev is None:
         raise CUDARuntimeError(f"eventRecord: {event:#x} is not a live event")
-    ev.record()
+    ev.record(stream)
 
 
 def eventQuery(event):
@@ -38,23 +38,34 @@ def eventQuery(event):
 
 
 def streamSynchronize(stream):
+    from .. import synced
+
     _drain()
+    synced(stream)
 
 
 def deviceSynchronize():
+    from .. import synced
+
     _drain()
+    synced(None)
 
 
-def memcpy(dst, src, size, kind):
-    from .. import host_view
+def memcpyAsync(dst, src, size, kind, stream):
+    """A copy on ``stream``: device memory read or written there (the stream-order model)."""
+    from .. import host_view, read, wrote
 
     if kind in (memcpyDeviceToHost, memcpyDeviceToDevice):
         host_view(src, size, "memcpy source")
+        read(src, size, stream, "memcpy")
     if kind in (memcpyHostToDevice, memcpyDeviceToDevice):
         host_view(dst, size, "memcpy destination")
     if size:
         ctypes.memmove(dst, src, size)
+    if kind in (memcpyHostToDevice, memcpyDeviceToDevice):
+        wrote(dst, size, stream, "memcpy")
 
 
-def memcpyAsync(dst, src, size, kind, stream):
-    memcpy(dst, src, size, kind)
+def memcpy(dst, src, size, kind):
+    memcpyAsync(dst, src, size, kind, 0)
+    streamSynchronize(0)
