@@ -4,7 +4,8 @@ tests/fakecupy/cupy is a CuPy whose "device" arrays live in host memory and whos
 ``cupy.cuda.nccl.NcclCommunicator`` moves real data between the ranks through MPI, with
 CuPy's call signatures (raw pointers, counts, NCCL type and op codes, stream handles) and
 NCCL's group semantics; every pointer and count is checked against the allocation it
-points into (its docstrings say what it models and what not). This module finalises
+points into, and a stream-order model records reads that race with a write on another
+stream (its docstrings say what it models and what not). This module finalises
 mpicomm, puts the double first on ``sys.path``, initialises the NCCL backend, runs the
 transport's layouts, roles, validation and grouping through the public API at every rank
 count, and restores the session as it found it (the double removed, the former backend

@@ -7,12 +7,14 @@ written. ``cupy.cuda.nccl.NcclCommunicator`` moves the bytes between the ranks t
 real MPI (mpi4py). Like CuPy, an ndarray refuses implicit conversion to NumPy (``.get()``
 or ``cupy.asnumpy`` copy to the host).
 
-What it does not model: streams run their work eagerly, in the calling thread (an NCCL
-call outside a group returns with its data in place, sends aside: they complete at the
-next synchronisation), so a missing stream synchronisation goes unseen; there are no
-kernels, no CUDA graphs (no stream is ever capturing), no bfloat16 arrays (as CuPy), no
-DLPack, and only the array methods mpicomm and its tests use. This package is put on
-``sys.path`` by tests/test_nccl_double.py only, and is not installed with mpicomm.
+Streams run their work eagerly, in the calling thread (an NCCL call outside a group
+returns with its data in place; sends aside: they complete at the next synchronisation),
+but their order is modelled: a read on a stream of memory last written on another stream
+that nothing orders after it is recorded in ``cupy.hazards`` (read-after-write only; see
+"stream order" below). What it does not model: asynchrony itself (an event is complete
+once the sends before it are), kernels, CUDA graphs (no stream is ever capturing),
+bfloat16 arrays (as CuPy), DLPack, and array methods mpicomm and its tests do not use. This package is put on ``sys.path``
+by tests/test_nccl_double.py only, and is not installed with mpicomm.
 """
 import bisect
 import threading
