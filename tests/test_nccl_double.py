@@ -12,6 +12,7 @@ count, and restores the session as it found it (the double removed, the former b
 back). Expectations come from NumPy on every rank's rank-seeded data. Where a real CuPy is
 installed the module skips: tests/test_gpu*.py run the real transport there.
 """
+import ctypes
 import importlib.util
 import os
 import sys
@@ -36,6 +37,11 @@ def cp():
     "nrev") for this module; the session's state is restored afterwards."""
     if "cupy" in sys.modules or importlib.util.find_spec("cupy") is not None:
         pytest.skip("a real CuPy is installed: tests/test_gpu*.py run the NCCL transport on GPUs")
+    try:   # mpicomm asks the CUDA driver whether a stream captures: never with the double's handles
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is here: tests/test_gpu*.py run the NCCL transport on GPUs")
+    except OSError:
+        pass
     from mpicomm._state import CTX
 
     key = CTX.init_key if mpicomm.is_initialized() else None
