@@ -257,21 +257,12 @@ def test_explicit_and_current_streams(cp, request):
         close(got.get(), xs[(r - 1) % n])
 
 
-STAGING = "transport bug: the transport's own copy of {} runs on CuPy's current stream, the NCCL call on " \
-          "the stream= given, and nothing orders the two (a race on a GPU with a non-blocking stream)"
-
-
 @pytest.mark.parametrize("case", [
-    pytest.param("strided all_reduce", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
-        "a non-contiguous input (_binder's cupy.ascontiguousarray)"))),
-    pytest.param("strided broadcast", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
-        "a non-contiguous input, and broadcast's write-back (_write_back)"))),
-    pytest.param("all_to_all in place", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
-        "x in all_to_all(x, out=x) (_prepare_all_to_all's staging)"))),
-    pytest.param("sendrecv out=x", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
-        "x in sendrecv(x, out=x) (xa.copy())"))),
-    pytest.param("gather in place", marks=pytest.mark.xfail(strict=True, reason=STAGING.format(
-        "x where it is part of out (_prepare_v's xa.copy())"))),
+    "strided all_reduce",
+    "strided broadcast",
+    "all_to_all in place",
+    "sendrecv out=x",
+    "gather in place",
 ])
 def test_transport_copies_on_the_calls_stream(cp, case, request):
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
@@ -402,9 +393,6 @@ def test_send_recv_sendrecv_and_tags(cp, request):
     close(mpicomm.sendrecv(x, nxt, src=prv, tag=5).get(), want)
 
 
-@pytest.mark.xfail(strict=True, reason="transport bug: NCCLTransport.sendrecv copies x only when out is x "
-                   "exactly (op_ == xp); an out that overlaps x in part goes to NCCL as overlapping send and "
-                   "receive buffers of one group (a race on a GPU; the double refuses it)")
 def test_sendrecv_out_overlapping_x(cp, request):
     """sendrecv(x, out=o) with o sharing part of x's memory: the peer's x arrives, as on MPI."""
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()

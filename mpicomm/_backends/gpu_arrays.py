@@ -15,6 +15,7 @@ place or ``out=``, checked), the write-back of an in-place result, and the strea
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -167,6 +168,22 @@ class GPUArrays:
         if p is None:
             raise invalid("stream", stream, "a cupy.cuda.Stream, a torch.cuda.Stream or a cudaStream_t (int)")
         return lambda: (p, stream)
+
+    def _on_stream(self, stream, kind):
+        """() -> a context manager that makes the call's ``stream=`` current while the
+        transport copies (a contiguous copy of the input, a staging copy, broadcast's
+        write-back), so that they are ordered with the library call on that stream; a no-op
+        where the call runs on the current stream (``stream`` None)."""
+        if stream is None:
+            return contextlib.nullcontext
+        p = self._streamer(stream, kind)()[0]
+        if kind == "torch":
+            import torch
+
+            dev = torch.device("cuda", self.device_id)
+            return lambda: torch.cuda.stream(torch.cuda.ExternalStream(p, device=dev))
+        cupy, dev = self.cupy, self.device_id
+        return lambda: cupy.cuda.ExternalStream(p, dev)
 
     def _out_binder(self, kind, role, oshape, dtype, x0, what, code=None):
         """out(x, xa, xp, out) -> (output array, pointer, result) for this call."""

@@ -234,20 +234,22 @@ class NCCLTransport(GPUArrays, StagedTags):
         if role is OUT:
             out_of(x, *bind(x), out)  # check the first out= now (every rank checks its own alike)
         is_root = code != REDUCE or self.rank == arg[1]
-        run_any = self._run_any(bind, out_of, cur, meth, (count, nt, *extra), kind, what, is_root, async_op)
+        run_any = self._run_any(bind, out_of, cur, meth, (count, nt, *extra), kind, what, is_root, async_op,
+                                self._on_stream(stream, kind))
         if async_op or kind == "other":
             return Prepared(code, x, out, arg, async_op, stream, run_any)
         return Prepared(code, x, out, arg, async_op, stream,
                         self._run(code, x, a, kind, role, oshape, dtype, xnb, onb, count, nt, extra, stream, meth,
                                   is_root, what, run_any))
 
-    def _run_any(self, bind, out_of, cur, meth, args, kind, what, is_root, async_op):
+    def _run_any(self, bind, out_of, cur, meth, args, kind, what, is_root, async_op, on):
         """A collective's run that checks and converts its arrays step by step (out_of None:
         broadcast, in place into x, written back when x is not contiguous)."""
         transport = self
 
         def run_any(x, out):
-            xa, xp = bind(x)
+            with on():   # (a contiguous copy of x on the call's stream)
+                xa, xp = bind(x)
             if out_of is None:
                 o, op_, res = xa, xp, x
             else:
@@ -255,7 +257,8 @@ class NCCLTransport(GPUArrays, StagedTags):
             p, st = cur()
             getattr(transport.comm, meth)(xp, op_, *args, p)
             if out_of is None and xa is not x:   # broadcast filled a contiguous copy of x: write it back
-                transport._write_back(x, xa, xp, kind)
+                with on():
+                    transport._write_back(x, xa, xp, kind)
             if st is not None:
                 transport.last_stream, transport.last_what = st, what
             if not is_root:
@@ -369,16 +372,18 @@ class NCCLTransport(GPUArrays, StagedTags):
         nbytes = count * (a.dtype.itemsize if kind != "torch" else a.element_size()) // row.nccl_scale
         what = ("all_to_all", shape, a.dtype)
         transport, nccl, empty = self, self.nccl, self._empty(kind, a, shape)
+        on, ptr = self._on_stream(stream, kind), self._ptr(kind)
         if role is OUT:
             out_of(x, *bind(x), out)
 
         def run(x, out):
-            xa, xp = bind(x)
-            o, op_, res = out_of(x, xa, xp, out)
-            if op_ == xp:   # in place: NCCL's send and receive buffers must differ; stage the input
-                xa = empty()
-                xa[...] = o if kind != "torch" else o
-                xp = xa.data.ptr if kind != "torch" else xa.data_ptr()
+            with on():
+                xa, xp = bind(x)
+                o, op_, res = out_of(x, xa, xp, out)
+                if op_ == xp:   # in place: NCCL's send and receive buffers must differ; stage the input
+                    xa = empty()
+                    xa[...] = o
+                    xp = ptr(xa)
             p, st = cur()
             c = transport.comm
             nccl.groupStart()
@@ -430,22 +435,24 @@ class NCCLTransport(GPUArrays, StagedTags):
             raise invalid("out", "x (in place)", f"an array of shape {toshape}: {name} gives that shape")
         out_of = self._v_out_binder(kind, toshape, dtype, a) if is_root else None
         bind, cur, ptr = self._binder(kind), self._streamer(stream, kind), self._ptr(kind)
+        on = self._on_stream(stream, kind)
         what = (name, shape, dtype)
         transport, nccl, scale, nt = self, self.nccl, row.nccl_scale, row.nccl
         sends, recvs, reduces = lay.sends, lay.recvs, lay.reduces
         onb, xnb = prod(toshape) * isz, prod(shape) * isz
 
         def run(x, out):
-            xa, xp = bind(x) if x is not None else (None, 0)
-            if is_root:
-                o, op_, res = out_of(x, xa, xp, out)
-                if x is not None and (overlap(op_, onb, xp, xnb) or (op_ == xp and sends)):
-                    # out shares memory with x (in place, or x a part of out): NCCL needs distinct
-                    # send and receive buffers, so send from a copy
-                    xa = xa.clone() if kind == "torch" else xa.copy()
-                    xp = ptr(xa)
-            else:
-                o, op_, res = None, 0, None
+            with on():
+                xa, xp = bind(x) if x is not None else (None, 0)
+                if is_root:
+                    o, op_, res = out_of(x, xa, xp, out)
+                    if x is not None and (overlap(op_, onb, xp, xnb) or (op_ == xp and sends)):
+                        # out shares memory with x (in place, or x a part of out): NCCL needs
+                        # distinct send and receive buffers, so send from a copy
+                        xa = xa.clone() if kind == "torch" else xa.copy()
+                        xp = ptr(xa)
+                else:
+                    o, op_, res = None, 0, None
             p, st = cur()
             c = transport.comm
             nccl.groupStart()
@@ -501,25 +508,24 @@ class NCCLTransport(GPUArrays, StagedTags):
         if tag != 0:
             return self._tagged_sendrecv(x, dst, tag, async_op, stream, out, src)
         kind, row, a = self._family(x)
-        bind = self._binder(kind)
-        xa, xp = bind(x)
-        ptr = self._ptr(kind)
-        if out is None:
-            o = self._empty(kind, a, tuple(a.shape))()
-            res, op_ = o, ptr(o)
-        else:
-            okind, orow, _ = self._family(out, "out")
-            o, op_ = self._binder(okind)(out, "out")
-            if o is not out:
-                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-            res = out
-            row_o = orow
-        if op_ == xp or overlap(op_, nbytes(o, "torch" if is_torch(o) else "cupy"), xp, nbytes(xa, kind)):
-            xa = xa.clone() if kind == "torch" else xa.copy()   # out shares memory with x: send a copy
-            xp = ptr(xa)
+        bind, ptr = self._binder(kind), self._ptr(kind)
+        with self._on_stream(stream, kind)():   # (any copy on the call's stream)
+            xa, xp = bind(x)
+            if out is None:
+                o = self._empty(kind, a, tuple(a.shape))()
+                res, op_, row_o = o, ptr(o), row
+            else:
+                okind, row_o, _ = self._family(out, "out")
+                o, op_ = self._binder(okind)(out, "out")
+                if o is not out:
+                    raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+                res = out
+            if op_ == xp or overlap(op_, nbytes(o, "torch" if is_torch(o) else "cupy"), xp, nbytes(xa, kind)):
+                xa = xa.clone() if kind == "torch" else xa.copy()   # out shares memory with x: send a copy
+                xp = ptr(xa)
         p, st = self._streamer(stream, kind)()
         scount = (int(xa.size) if kind != "torch" else xa.numel()) * row.nccl_scale
-        ro = row if out is None else row_o
+        ro = row_o
         rcount = (int(o.size) if not is_torch(o) else o.numel()) * ro.nccl_scale
         c = self.comm
         self.nccl.groupStart()

@@ -105,6 +105,15 @@ class Stream:
 Stream.null = Stream(null=True)
 
 
+class ExternalStream(Stream):
+    """A stream made elsewhere, known by its handle: the same stream as any other with ``ptr``."""
+
+    def __init__(self, ptr, device_id=-1):
+        self.ptr = int(ptr)
+        self.device_id = _current_device() if device_id < 0 else device_id
+        self._prev = []
+
+
 def get_current_stream(device_id=None):
     s = getattr(_tls, "stream", None)
     return Stream.null if s is None else s
