@@ -37,7 +37,8 @@ LIMIT = 420  # seconds per command
 # (pattern, reason): commands not run here, and why
 EXCLUDED = [
     (r"^scripts/test\.sh", "the test suite itself: CI runs it"),
-    (r"--backend nccl|--array cupy|gpu_suite|bench_ddp\.py --rounds 5|bench_capture\.py", "needs GPUs"),
+    (r"--backend nccl|--array cupy|gpu_suite|bench_ddp\.py --rounds 5|bench_capture\.py|profile_percall\.py --array"
+     r"|capture_ddp\.py", "needs GPUs"),
     (r"--hostfile hosts", "needs other hosts"),
     (r"netns_cluster\.sh", "makes two hosts in network namespaces: needs openssh-server and iproute2 "
                            "(tests/test_two_host.py runs it where they are)"),
