@@ -244,23 +244,41 @@ class batch:
     On NCCL they are one group (ncclGroupStart/End), on MPI nonblocking requests; calls
     inside return a :class:`Work` (complete once the block has ended), so any order of
     sends and receives works, a send to oneself included. Batches do not nest per group.
+
+    ``coalesce=True`` only launches the block's calls together: each call returns what it
+    returns outside a batch (its result, or a Work with ``async_op=True``), and nothing is
+    waited for at the end. On NCCL the calls are one group, enqueued on their streams when
+    the block ends, so their results are ready on those streams after the block (as for
+    any NCCL call, nothing to wait for on the host); on MPI each call runs as it comes.
+    This is the grouping of torch.distributed's coalescing manager and of Horovod's grouped
+    allreduce (mpicomm's gradient reducer launches its buckets this way). Coalesced blocks
+    nest, and a batch may be opened inside one.
     """
 
-    __slots__ = ("group", "works", "_g")
+    __slots__ = ("group", "works", "coalesce", "_g")
 
-    def __init__(self, group: str | None = None) -> None:
+    def __init__(self, group: str | None = None, coalesce: bool = False) -> None:
+        if coalesce is not True and coalesce is not False:
+            raise invalid("coalesce", coalesce, "True or False")
         self.group = group
+        self.coalesce = coalesce
         self.works: list[Work] | None = None     # after the block: the Works of its calls, in order
         self._g: Any = None
 
     def __enter__(self) -> batch:
         g = get_group(self.group)
-        g.disp.batch_begin()
+        if self.coalesce:
+            g.disp.coalesce_begin()
+        else:
+            g.disp.batch_begin()
         self._g = g
         return self
 
     def __exit__(self, et: Any, e: Any, tb: Any) -> Literal[False]:
         g, self._g = self._g, None
+        if self.coalesce:
+            g.disp.coalesce_end()
+            return False
         # after an error in the block the calls are launched but not waited for (a peer may
         # never match them); their Works complete at the next collective
         self.works = g.disp.batch_end(wait=et is None)

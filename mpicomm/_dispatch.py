@@ -339,6 +339,14 @@ class Dispatcher(AgreementPaths):
         self.plain().batch_begin()
         self.group.call = self.batch_call
 
+    def coalesce_begin(self):
+        """Open a coalesced block (mpicomm.batch(coalesce=True)): the calls until
+        coalesce_end run as they come and are launched together (one NCCL group)."""
+        self.plain().group_start()
+
+    def coalesce_end(self):
+        self.plain().group_end()
+
     def batch_call(self, code, x, out, arg, async_op, stream):
         """A collective inside a batch: started as async_op=True, its Work kept for batch_end."""
         r = self.call(code, x, out, arg, True, stream)

@@ -533,3 +533,28 @@ def test_the_double_refuses_what_nccl_would(cp):
     c.recv(o.data.ptr, 8, nccl.NCCL_FLOAT32, r, 0)
     with pytest.raises(nccl.NcclError, match=r"got a send of 16 B"):
         nccl.groupEnd()
+
+
+def test_coalesced_block_is_one_nccl_group(cp, request):
+    """batch(coalesce=True): the block's collectives are one NCCL group, launched at its end;
+    each call returned its result, ready after the block."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    xs = [data(q, key + "x", (6, 2), "float32") for q in range(n)]
+    ys = [data(q, key + "y", (3,), "int32") for q in range(n)]
+    x, y = cp.asarray(xs[r]), cp.asarray(ys[r])
+    out = cp.empty((6, 2), np.float32)
+    mark = len(cp.cuda.nccl.history)
+    with mpicomm.batch(coalesce=True) as c:
+        a = mpicomm.all_reduce(x, ReduceOp.MIN, out=out)
+        with mpicomm.batch(coalesce=True):
+            b = mpicomm.all_gather(y)
+        d = mpicomm.broadcast(cp.asarray(ys[r]), root=n - 1)
+    assert c.works is None and a is out
+    calls = [(gid, name) for gid, name, _ in history_since(cp, mark) if name in ("allReduce", "allGather", "broadcast")]
+    assert sorted(name for _, name in calls) == ["allGather", "allReduce", "broadcast"], calls
+    assert len({gid for gid, _ in calls}) == 1 and None not in {gid for gid, _ in calls}, calls   # one group
+    cp.cuda.Device().synchronize()
+    close(a.get(), reduce_np(xs, ReduceOp.MIN))
+    close(b.get(), np.concatenate(ys))
+    close(d.get(), ys[n - 1])

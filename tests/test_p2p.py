@@ -145,3 +145,42 @@ def test_bad_input(comm):
                 pass
     # the outer batch was closed by its with-statement: plain calls work again
     close(mpicomm.all_reduce(np.full(2, r + 1.0)), np.full(2, n * (n + 1) / 2), np.float64)
+
+
+@pytest.mark.parametrize("which", GROUPS)
+def test_coalesced_block(comm, subgroup, which, request):
+    """batch(coalesce=True): calls return what they return outside a batch (results, or a Work
+    with async_op=True), nested blocks and a batch inside one work, nothing is left open."""
+    g, ranks, n, me = ctx(which, subgroup)
+    if me is None:
+        return
+    key = request.node.name
+    xs = {q: data(q, key + "x", (5, 3), np.float32) for q in ranks}
+    ys = {q: data(q, key + "y", (2,), np.int64) for q in ranks}
+    out = np.empty((5, 3), np.float32)
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    got = np.empty(2, np.int64)
+    with mpicomm.batch(g, coalesce=True) as c:
+        r1 = mpicomm.all_reduce(xs[ranks[me]], ReduceOp.MAX, out=out, group=g)
+        with mpicomm.batch(g, coalesce=True):
+            r2 = mpicomm.all_gather(ys[ranks[me]], group=g)
+        w3 = mpicomm.all_reduce(ys[ranks[me]], group=g, async_op=True)
+        with mpicomm.batch(g) as b:
+            mpicomm.send(ys[ranks[me]], nxt, group=g)
+            mpicomm.recv(got, prv, group=g)
+    assert c.works is None and len(b.works) == 2
+    assert r1 is out and not isinstance(r2, mpicomm.Work) and isinstance(w3, mpicomm.Work)
+    close(out, reduce_np(list(xs.values()), ReduceOp.MAX), np.float32)
+    close(r2, np.concatenate([ys[q] for q in ranks]), np.int64)
+    close(w3.wait(), reduce_np(list(ys.values()), ReduceOp.SUM), np.int64)
+    close(got, ys[ranks[prv]], np.int64)
+    # after the block, calls are plain again, and a batch opens as before
+    close(mpicomm.all_reduce(xs[ranks[me]], group=g), reduce_np(list(xs.values()), ReduceOp.SUM), np.float32)
+    with mpicomm.batch(g) as b2:
+        w = mpicomm.all_reduce(xs[ranks[me]], group=g)
+    assert isinstance(w, mpicomm.Work) and b2.works == [w]
+
+
+def test_coalesce_must_be_a_bool(comm):
+    with pytest.raises(mpicomm.InvalidArgumentError, match=r"coalesce.*'yes'.*True or False"):
+        mpicomm.batch(coalesce="yes")

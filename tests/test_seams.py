@@ -22,11 +22,6 @@ SELF = ("self", "cls")
 
 # (file, what): why it stays, for now. Every entry must still be needed (checked below).
 ALLOWED = {
-    # A bucket's direct all-reduces, and a blocking step's buckets, are issued inside one NCCL
-    # group (group_start/group_end of the group's transport). Moving them onto mpicomm.batch()
-    # changes what runs on GPUs (a batch makes every call async and completes it at the end;
-    # the NCCL group only enqueues them together): to be done, and timed, on the lent GPUs.
-    ("mpicomm/training/reducer.py", ".transport"): "NCCL group around a step's all-reduces (GPU only)",
     # init_process_group works before mpicomm.init() (on COMM_WORLD) and needs an MPI
     # communicator (Split_type for the local ranks, the rendezvous broadcast); where init ran
     # it uses mpicomm's world communicator instead.

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import all_gather_object, all_reduce
+from .. import all_gather_object, all_reduce, batch
 from .._dtypes import FLOAT_NAMES
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, invalid
@@ -39,13 +39,13 @@ class _Step(NamedTuple):
         blocking reduce_() or reducer(grads).
     direct: big gradients of direct buckets reduced where they are, out of place from the
         caller's arrays (see _ops); False: every bucket reduced packed, in place.
-    nccl_group: the transport whose NCCL group holds every bucket's all-reduces (a blocking
-        step on NCCL with several buckets and group_launch on; see _nccl_group), or None;
+    nccl_group: True when every bucket's all-reduces are launched as one coalesced block (a
+        blocking step on NCCL with several buckets and group_launch on; see _nccl_group), or None;
         the post-steps (unscale, copy out of the wire buffer) then follow the group's end.
     """
     overlap: bool
     direct: bool
-    nccl_group: object = None
+    nccl_group: bool | None = None
 
 
 _OVERLAP_PACKED = _Step(overlap=True, direct=False)
@@ -268,15 +268,10 @@ class DistributedGradReducer:
                     # blocking step on the host: a blocking call, which may take the
                     # shared-memory path
                     ops = self._ops(b, step.direct)
-                    t = get_group(self.group).transport if len(ops) > 1 and b.stream_mode else None
-                    if t is not None:
-                        t.group_start()  # one NCCL launch for the bucket (nested in _launch_all's)
-                    try:
+                    # one NCCL launch for the bucket's calls (nested in _launch_all's)
+                    with batch(self.group, coalesce=True) if len(ops) > 1 and b.stream_mode else _Null:
                         for src, dst in ops:
                             all_reduce(src, b.op, out=dst, group=self.group, stream=side)
-                    finally:
-                        if t is not None:
-                            t.group_end()
                     if b.srcs:
                         if side is not None:
                             # the sources are read on the side stream: PyTorch's allocator must
@@ -336,25 +331,21 @@ class DistributedGradReducer:
             self._next += 1
 
     def _nccl_group(self):
-        """The group's transport when every bucket goes to NCCL and there are several, else None."""
+        """True when every bucket goes to NCCL and there are several (one launch for all), else None."""
         bs = [b for b in self._buckets if b.numel]
         if not self.group_launch or len(bs) < 2 or not all(b.stream_mode for b in bs):
             return None
-        return get_group(self.group).transport
+        return True
 
     def _launch_all(self, step):
         """Blocking step: launch every bucket (in one NCCL group where the step has one)."""
-        t = step.nccl_group
-        if t is None:
+        if step.nccl_group is None:
             self._launch_ready(step)
             return
         # The post-steps (unscale, copy out of a compressed wire buffer) must follow the
-        # all-reduces on the stream, and NCCL enqueues those only at groupEnd.
-        t.group_start()
-        try:
+        # all-reduces on the stream, and NCCL enqueues those only at the block's end.
+        with batch(self.group, coalesce=True):
             self._launch_ready(step)
-        finally:
-            t.group_end()
         for b in self._buckets:
             if b.numel:
                 self._post(b)
