@@ -127,6 +127,37 @@ def test_nccl_unique_id_forms():
     assert as_uid(list(as_tuple), like=(0,)) == as_tuple
 
 
+def test_finalize_does_not_wait_forever_for_a_communicator_nccl_will_not_destroy(capsys, monkeypatch):
+    """NCCL waits in ncclCommDestroy until every CUDA graph that captured one of the
+    communicator's calls is destroyed: finalize gives the destroy DESTROY_WAIT seconds, then
+    says why on stderr and goes on (a communicator whose destroy returns is destroyed as is)."""
+    import contextlib
+    import threading
+    import time
+
+    from mpicomm._backends import nccl
+
+    class Communicator:   # stands for one whose ncclCommDestroy waits on a live graph
+        def __init__(self, held):
+            self.held, self.destroyed = held, threading.Event()
+
+        def destroy(self):
+            if self.held:
+                threading.Event().wait(30)
+            self.destroyed.set()
+
+    monkeypatch.setattr(nccl, "DESTROY_WAIT", 0.3)
+    c = Communicator(held=False)
+    nccl._destroy(c, 3, contextlib.nullcontext)
+    assert c.destroyed.is_set() and capsys.readouterr().err == ""
+    t0 = time.monotonic()
+    nccl._destroy(Communicator(held=True), 3, contextlib.nullcontext)
+    assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert "rank 3: finalize() could not destroy the NCCL communicator within 0.3 s" in err
+    assert "CUDA graph" in err and "del graph" in err
+
+
 def test_init_hccl_says_what_to_use():
     """MindSpore's init("hccl") (Ascend): refused before MPI starts, naming nccl and mpi."""
     with pytest.raises(mpicomm.InvalidArgumentError) as e:
