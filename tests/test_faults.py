@@ -411,7 +411,9 @@ def fault(n, mode, env=None, limit=TIMEOUT + 60):
 
 
 def report_of(p, rank, kind="CollectiveTimeoutError"):
-    m = re.search(rf"^\[mpicomm rank {rank}\] {kind}: (.*)$", p.stderr, re.M)
+    # (at the start of a line, but for blanks: mpirun's abort banner, written by another
+    # process to the same stderr, can leave one in front of it)
+    m = re.search(rf"^[ \t]*\[mpicomm rank {rank}\] {kind}: (.*)$", p.stderr, re.M)
     assert m, p.stderr
     return m.group(1)
 
