@@ -205,14 +205,21 @@ class Dispatcher(AgreementPaths):
             r = p.run(x, out)
         except BaseException as e:
             self.raise_in_call(seq, code, e)
+        return self.finish_call(seq, code, w, r, async_op)
+
+    def finish_call(self, seq, code, w, r, async_op):
+        """After call ``seq`` (its ring word ``w``) returned ``r`` here: a member's report, the
+        host neighbours' calls of ``seq`` compared, the row's DONE word (``call`` does the same
+        written out)."""
+        m, b = self.mem, self.row
         if m[b + AT_POISON]:
             self.poisoned_after(seq, code)
-        if sh is not None:
+        if self.shr is not None:
             for pm, pb, j in self.peers:
                 pw = pm[pb + (seq & 7)]
                 if pw != w and pw >> 32 == seq:
                     self.differs(seq, code, j, pw)
-        m[b + AT_DONE] = v
+        m[b + AT_DONE] = seq << 4 | code
         if async_op:
             r._group, r._seq = self.group, seq
             r._watch = self.watch

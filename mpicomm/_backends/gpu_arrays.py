@@ -88,6 +88,21 @@ def overlap(p, nb, q, mb):
     return p < q + mb and q < p + nb and not (p == q and nb == mb)
 
 
+def given_out(bind, out, shape, dtype):
+    """(out, its pointer) for a given ``out=``: a C-contiguous GPU array of ``shape`` and
+    ``dtype`` on this GPU (``bind``), else InvalidArgumentError naming what differs."""
+    if not is_gpu_array(out):
+        raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+    o, p = bind(out, "out")
+    if o is not out:
+        raise invalid("out", "a non-contiguous array", "a C-contiguous array")
+    if tuple(o.shape) != shape:
+        raise invalid("out.shape", tuple(o.shape), f"shape {shape}")
+    if o.dtype != dtype:
+        raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+    return o, p
+
+
 class GPUArrays:
     """The NCCL transport's binding of a call's GPU arrays (a mixin: no state of its own
     but the accessor tables, made on first use)."""
@@ -219,15 +234,7 @@ class GPUArrays:
                 return xa, xp, x
         else:
             def out_of(x, xa, xp, out):
-                if not is_gpu_array(out):
-                    raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-                o, p = bind(out, "out")
-                if o is not out:
-                    raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-                if tuple(o.shape) != tshape:
-                    raise invalid("out.shape", tuple(o.shape), f"shape {tshape}")
-                if o.dtype != dtype:
-                    raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
+                o, p = given_out(bind, out, tshape, dtype)
                 if overlap(p, nbytes(o, kind), xp, nbytes(xa, kind)) and not slot(p, xp):
                     raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
                                   "memory (in place), or an array that shares no memory with x")

@@ -20,7 +20,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES
 from .._topology import select_gpu
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
-from .gpu_arrays import GPUArrays, nbytes, overlap, prod
+from .gpu_arrays import GPUArrays, given_out, nbytes, overlap, prod
 from .nccl_layouts import LAYOUTS
 from .nccl_tagged import StagedTags
 from .capture import current_capturing, stream_capturing
@@ -489,16 +489,7 @@ class NCCLTransport(GPUArrays, StagedTags):
                 return o, ptr(o), o
             if out is x:
                 return xa, xp, x
-            if not is_gpu_array(out):
-                raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
-            o, p = bind(out, "out")
-            if o is not out:
-                raise invalid("out", "a non-contiguous array", "a C-contiguous array")
-            if tuple(o.shape) != toshape:
-                raise invalid("out.shape", tuple(o.shape), f"shape {toshape}")
-            if o.dtype != dtype:
-                raise invalid("out.dtype", str(o.dtype), f"dtype {dtype} (the input's)")
-            return o, p, out
+            return (*given_out(bind, out, toshape, dtype), out)
         return out_of
 
     def sendrecv(self, x, dst, tag, async_op, stream, out, src):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .._arrays import offsets
 from .._ops import ALL_GATHER, ALL_TO_ALL, GATHER, REDUCE_SCATTER, SCATTER
 from ..errors import invalid
 from .gpu_arrays import prod
@@ -26,14 +27,6 @@ class Layout(NamedTuple):
     recvs: list      # (peer, offset in elements, elements) into the output
     reduces: list    # (root, offset in elements, elements): reduce_scatter's one reduce per rank
     is_root: bool    # False where this rank gets no output (gather's non-root ranks)
-
-
-def offsets(sizes):
-    r, acc = [], 0
-    for s in sizes:
-        r.append(acc)
-        acc += s
-    return r
 
 
 def _own_part(shape, sizes, rank, arg="x.shape"):
