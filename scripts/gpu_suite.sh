@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
-#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|capture|checkcost]...
+#   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|pertable|capture|checkcost]...
 #   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
 #                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
 #   scripts/gpu_suite.sh rehearsal-bind   (only when named; root) its hosts' doctor --net with Open
@@ -52,6 +52,9 @@ for m in ('sklearn', 'matplotlib', 'ml_dtypes', 'pytest_mpi'):
     try: print(m, __import__(m).__version__)
     except Exception as e: print(m, 'missing', e)"
 } >>"$OUT/gpu_summary.txt" 2>&1
+# the compiled call path (mpicomm/_native), built in place for this interpreter
+step "native-build" 60 "$PY" -m mpicomm._native
+"$PY" -c "import mpicomm._native as n; print('compiled call path in use:', n.active(), n.why_not or '')" >>"$SUM" 2>&1
 PYT=("$PY" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi")
 bench_ddp() {  # bench_ddp ROUNDS LIMIT_S [ARGS]: scripts/bench_ddp.py at 4 and 2 GPUs, its tables into the summary
     local g r=$1 limit=$2
@@ -227,6 +230,15 @@ if want checkcost; then  # the agreement check's cost per call, CuPy and PyTorch
         step "percall-check-$a" 120 "${MPI[@]}" "$NGPU" "${B[@]}" --percall --fresh --check-cost --rounds 20 --array "$a" \
             --json "$RES/percall_check_$a.json"
         grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -11 >>"$SUM"
+    done
+fi
+if want pertable; then  # the per-call table (issue 27): 8 B, new arrays, raw in the same run; compiled and Python call path
+    for a in cupy torch; do
+        for nat in 1 0; do
+            step "percall-$a-native$nat" 120 env MPICOMM_NATIVE=$nat "${MPI[@]}" 2 -x MPICOMM_NATIVE "${B[@]}" \
+                --percall --fresh --rounds 20 --array "$a" --json "$RES/percall_${a}_native$nat.json"
+            grep -a -E "^ +(all_reduce|all_gather|reduce_scatter|broadcast) +8 " "$LOG" | tail -7 >>"$SUM"
+        done
     done
 fi
 if want percall; then  # where a call's time goes (scripts/profile_percall.py), CuPy and PyTorch; BASE=dir: also that tree's mpicomm

@@ -10,10 +10,13 @@
 #   scripts/test.sh -k all_reduce   other arguments go to every pytest run
 # Tests that need sshd and network namespaces (two-host jobs) skip where those are missing,
 # with the reason in the summary; MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
+# With --full the MPI tests also run once at 2 ranks through the Python call path
+# (MPICOMM_NATIVE=0) where the compiled one is built.
 # Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=3 (processes for
 #              the serial tests; 1: one), MPICOMM_TEST_TIMEOUT (s per run;
 #              default 1500 for the serial run, 600 for each MPI run),
-#              MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
+#              MPICOMM_TEST_PYTHON_PATH_RANKS (rank counts through the Python call path;
+#              default 2 with --full, none without), MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
 #              MPICOMM_VENV=.venv, MPICOMM_NO_INSTALL=1 (use the current python as is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +118,16 @@ for n in $ranks; do
         done
     fi
 done
+# The MPI tests once more through the Python call path that the compiled one mirrors
+# (mpicomm/_native; MPICOMM_NATIVE=0), where the compiled one is in use: both stay tested.
+py_ranks=${MPICOMM_TEST_PYTHON_PATH_RANKS-$([ "$default_ranks" = "1 2 3 4" ] && echo 2)}
+if [ -n "$py_ranks" ] && "$py" -c "import sys, mpicomm._native as n; sys.exit(not n.active())" 2>/dev/null; then
+    for n in $py_ranks; do
+        echo "== MPI tests at $n rank(s) through the Python call path (MPICOMM_NATIVE=0)"
+        stage "mpi-py-x$n" "$n" "$mpi_limit" env MPICOMM_NATIVE=0 "$mpirun" "${root_flags[@]}" -n "$n" \
+            "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi --basetemp="$work/py$n.tmp" "$@" tests
+    done
+fi
 echo "== summary ($((SECONDS - started))s in all)"
 printf '   %s\n' "${summary[@]}"
 if [ "${#warnings[@]}" != 0 ]; then

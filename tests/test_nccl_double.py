@@ -558,3 +558,39 @@ def test_coalesced_block_is_one_nccl_group(cp, request):
     close(a.get(), reduce_np(xs, ReduceOp.MIN))
     close(b.get(), np.concatenate(ys))
     close(d.get(), ys[n - 1])
+
+
+# ----------------------------------------------------------------------- the compiled run
+def test_blocking_calls_run_compiled(cp, request):
+    """Where mpicomm/_native is built, a blocking collective on CuPy arrays runs through the
+    compiled NcclRun: new output, in place, out=, reduce's root, broadcast, on new arrays
+    every call (the prepared call reused)."""
+    from mpicomm import _native
+    from mpicomm._ops import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER
+    from mpicomm._state import CTX
+    from launch_support import require
+
+    if not _native.active():
+        require(f"the compiled call path is not in use: {_native.why_not}")
+    d = CTX.world.disp
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for i in range(3):
+        xs = [data(q, f"{request.node.name}{i}", (2 * n, 3), "float32") for q in range(n)]
+        full = reduce_np(xs, ReduceOp.SUM)
+        o = cp.zeros((2 * n, 3), np.float32)
+        assert mpicomm.all_reduce(cp.asarray(xs[r]), out=o) is o
+        close(o.get(), full)
+        x = cp.asarray(xs[r])
+        assert mpicomm.all_reduce(x, ReduceOp.MAX, out=x) is x
+        close(x.get(), reduce_np(xs, ReduceOp.MAX))
+        close(mpicomm.all_gather(cp.asarray(xs[r])).get(), np.concatenate(xs))
+        close(mpicomm.reduce_scatter(cp.asarray(xs[r])).get(), full[2 * r:2 * r + 2])
+        x = cp.asarray(xs[r])
+        assert mpicomm.broadcast(x, root=n - 1) is x
+        close(x.get(), xs[n - 1])
+        got = mpicomm.reduce(cp.asarray(xs[r]), root=n - 1)
+        assert (got is None) == (r != n - 1)
+        if got is not None:
+            close(got.get(), full)
+        for code in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE):
+            assert type(d.last[code].run).__name__ == "NcclRun", (code, d.last[code].run)

@@ -18,6 +18,7 @@ from .._arrays import is_gpu_array, is_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     SCATTER, SENDRECV, check_op_dtype, nccl_ops)
 from .._topology import select_gpu
+from .. import _native
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
 from .gpu_arrays import GPUArrays, given_out, nbytes, overlap, prod
@@ -321,6 +322,12 @@ class NCCLTransport(GPUArrays, StagedTags):
                 lib(xp, op_, count, nt, p)
             transport.last_stream, transport.last_what = st, what
             return res if is_root else None
+        if _native.callpath is not None:   # the same run, compiled (mpicomm/_native)
+            return _native.callpath.NcclRun(
+                transport=self, comm=comm, lib=lib, run_any=run_any, contiguous=contiguous, device=device, ptr=ptr,
+                empty=empty, get=get, sptr=sptr, p0=p0, st0=st0, count=count, nt=nt, e0=e0, e1=e1, ocls=ocls,
+                dtype=dtype, oshape=oshape, what=what, dev=dev, role=0 if role is NEW else (1 if role is IN_PLACE else 2),
+                is_root=is_root, xnb=xnb, onb=onb, sx=sx, so=so)
         return run
 
     def _prepare_all_reduce(self, x, out, op, async_op, stream):

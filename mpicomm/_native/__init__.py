@@ -1,0 +1,60 @@
+"""mpicomm's call path compiled: ``callpath`` is the C module (mpicomm/_native/_callpath.c), or
+None where it is not built, was built from another version of the source, or
+``MPICOMM_NATIVE=0`` is set.
+
+It holds the common case of ``Dispatcher.call`` and the NCCL transport's run of a blocking
+collective on CuPy arrays or PyTorch tensors, each the Python it replaces written out in C
+(the Python stays, and runs whatever the C path hands back to it). ``pip install`` builds
+it where a C compiler and Python's headers are (it is optional: without them mpicomm runs
+its Python path); in a source tree, ``python -m mpicomm._native`` builds it in place.
+``MPICOMM_NATIVE=1`` makes a missing or stale build an error instead of the Python path.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "_callpath.c")
+
+
+def source_hash() -> str:
+    """The hash a build of this source carries (SOURCE in the module); '' without the source."""
+    try:
+        with open(SOURCE, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:   # an installed wheel carries the build, not the source
+        return ""
+
+
+def _load():
+    mode = os.environ.get("MPICOMM_NATIVE", "").strip()
+    if mode not in ("", "0", "1"):
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"invalid MPICOMM_NATIVE={mode!r}: '1' (the compiled call path, which must be "
+                                   "built), '0' (the Python call path) or unset (compiled where built)")
+    if mode == "0":
+        return None, "MPICOMM_NATIVE=0"
+    try:
+        from . import _callpath as mod   # type: ignore[attr-defined]
+    except ImportError as e:
+        mod, why = None, f"not built ({e})"
+    else:
+        want = source_hash()
+        why = None if not want or getattr(mod, "SOURCE", None) == want else \
+            f"built from another version of {SOURCE} (rebuild: python -m mpicomm._native)"
+        if why:
+            mod = None
+    if mod is None and mode == "1":
+        raise ImportError(f"MPICOMM_NATIVE=1 but mpicomm's compiled call path is {why}: pip install mpicomm "
+                          "where a C compiler is, or run python -m mpicomm._native in the source tree")
+    return mod, why
+
+
+callpath, why_not = _load()
+
+
+def active() -> bool:
+    """True when the compiled call path is in use."""
+    return callpath is not None
