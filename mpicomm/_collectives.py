@@ -355,3 +355,27 @@ def _check_tag(tag: Any) -> int:
         allowed = f"0..{ub} (0 to MPI's TAG_UB)" if ub is not None else "0..MPI's TAG_UB"
         raise invalid("tag", tag, f"an int in {allowed}; a tag is never a wildcard, so -1 is not MPI's ANY_TAG")
     return t
+
+
+def _compile_common_cases() -> None:
+    """The functions above whose common case (the world group, an op given as a ReduceOp, no
+    per-rank sizes) the compiled call path reads (mpicomm/_native): the same call made in C,
+    and anything else through the Python function, which stays the documented one."""
+    from . import _native
+
+    cp = _native.callpath
+    if cp is None:
+        return
+    common = {"group": "group", "async_op": "async_op", "stream": "stream"}
+    spec = {
+        all_reduce: dict(code=ALL_REDUCE, x="x", out="out", arg="op", op="op", none=()),
+        all_gather: dict(code=ALL_GATHER, x="x", out="out", arg=None, op=None, none=("sizes",)),
+        reduce_scatter: dict(code=REDUCE_SCATTER, x="x", out="out", arg="op", op="op", none=("sizes",)),
+        broadcast: dict(code=BROADCAST, x="x", out=None, arg="root", op=None, none=()),
+    }
+    g = globals()
+    for fn, kw in spec.items():
+        g[fn.__name__] = cp.Public(fn, kw.pop("code"), CTX, ReduceOp, **kw, **common)
+
+
+_compile_common_cases()

@@ -42,13 +42,27 @@ class ArrayKind:
         self.copy = copy                        # array -> a contiguous copy
 
 
+_C_CONTIGUOUS = operator.attrgetter("_c_contiguous")   # CuPy's flag without a Flags object
+
+
 def cupy_kind(cupy, device_id):
-    fast = hasattr(cupy.empty(0), "_c_contiguous")   # CuPy's flag without a Flags object
+    fast = hasattr(cupy.empty(0), "_c_contiguous")
     return ArrayKind(
         "cupy", operator.attrgetter("data.ptr"),
-        operator.attrgetter("_c_contiguous") if fast else (lambda a: a.flags.c_contiguous),
+        _C_CONTIGUOUS if fast else (lambda a: a.flags.c_contiguous),
         operator.attrgetter("data.device_id"), cupy.cuda.get_current_stream, operator.attrgetter("ptr"),
         lambda shape, like: functools.partial(cupy.empty, shape, like.dtype), operator.methodcaller("copy"))
+
+
+def cupy_stream_ptr():
+    """CuPy's C function that gives the current stream's handle (a capsule its Cython module
+    exports), or None: the compiled call path reads the handle with it and calls
+    ``get_current_stream()`` only when the stream changed."""
+    try:
+        from cupy_backends.cuda import stream
+    except Exception:
+        return None
+    return getattr(stream, "__pyx_capi__", {}).get("get_current_stream_ptr")
 
 
 def torch_kind(device_id):

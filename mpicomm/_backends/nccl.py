@@ -21,7 +21,7 @@ from .._topology import select_gpu
 from .. import _native
 from ..errors import BackendUnavailableError, CommunicationError, invalid
 from .base import IN_PLACE, NEW, OUT, Backend, Prepared, Work, role_of
-from .gpu_arrays import GPUArrays, given_out, nbytes, overlap, prod
+from .gpu_arrays import _C_CONTIGUOUS, GPUArrays, cupy_stream_ptr, given_out, nbytes, overlap, prod
 from .nccl_layouts import LAYOUTS
 from .nccl_tagged import StagedTags
 from .capture import current_capturing, stream_capturing
@@ -327,7 +327,8 @@ class NCCLTransport(GPUArrays, StagedTags):
                 transport=self, comm=comm, lib=lib, run_any=run_any, contiguous=contiguous, device=device, ptr=ptr,
                 empty=empty, get=get, sptr=sptr, p0=p0, st0=st0, count=count, nt=nt, e0=e0, e1=e1, ocls=ocls,
                 dtype=dtype, oshape=oshape, what=what, dev=dev, role=0 if role is NEW else (1 if role is IN_PLACE else 2),
-                is_root=is_root, xnb=xnb, onb=onb, sx=sx, so=so)
+                is_root=is_root, xnb=xnb, onb=onb, sx=sx, so=so, cupy=kind == "cupy" and k.name == "cupy"
+                and k.contiguous == _C_CONTIGUOUS, stream_ptr=cupy_stream_ptr() if kind == "cupy" else None)
         return run
 
     def _prepare_all_reduce(self, x, out, op, async_op, stream):

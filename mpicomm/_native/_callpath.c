@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 /* ------------------------------------------------------------------ state */
@@ -38,7 +39,7 @@ static PyObject *complete_dropped = NULL;   /* mpicomm._backends.base.complete_d
 static Py_ssize_t at_done = 0, at_poison = 0;
 static int configured = 0;
 
-static PyObject *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned,
+static PyObject *s__c_contiguous, *s_data, *s_device_id, *s_ptr, *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned,
     *s_poisoned_after, *s_differs, *s_raise_in_call, *s__group, *s__seq, *s__watch, *s_last_stream,
     *s_last_what, *s_comm, *s___class__;
 
@@ -50,6 +51,7 @@ static int intern_all(void)
     I(s_poisoned_after, "poisoned_after"); I(s_differs, "differs"); I(s_raise_in_call, "raise_in_call");
     I(s__group, "_group"); I(s__seq, "_seq"); I(s__watch, "_watch"); I(s_last_stream, "last_stream");
     I(s_last_what, "last_what"); I(s_comm, "comm"); I(s___class__, "__class__");
+    I(s__c_contiguous, "_c_contiguous"); I(s_data, "data"); I(s_device_id, "device_id"); I(s_ptr, "ptr");
 #undef I
     return 0;
 }
@@ -286,11 +288,22 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
             goto done;
         }
         PyObject *n = PyLong_FromLongLong(now_ns());
-        PyObject *e = n ? PyTuple_Pack(4, seqo, code, p, n) : NULL;
-        Py_XDECREF(n);
-        if (e == NULL)
+        if (n == NULL)
             goto done;
-        PyList_SetItem(fr, seq & fmask, e);   /* (steals e) */
+        PyObject *e = PyList_GET_ITEM(fr, seq & fmask);
+        if (e != NULL && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 4 && Py_REFCNT(e) == 1) {
+            /* the entry it replaces is referenced by the ring alone: refilled in place */
+            PyObject *items[4] = {seqo, code, p, n};
+            for (int i = 0; i < 4; i++)
+                Py_SETREF(PyTuple_GET_ITEM(e, i), Py_NewRef(items[i]));
+            Py_DECREF(n);
+        } else {
+            e = PyTuple_Pack(4, seqo, code, p, n);
+            Py_DECREF(n);
+            if (e == NULL)
+                goto done;
+            PyList_SetItem(fr, seq & fmask, e);   /* (steals e) */
+        }
     }
     {
         PyObject *ra[2] = {x, out};
@@ -422,8 +435,14 @@ typedef struct {
     PyObject *count, *nt, *e0, *e1;               /* the library call's count, type, op/root (or NULL) */
     PyObject *ocls, *dtype, *oshape, *what;
     PyObject *dev;                                /* this rank's GPU (an int) */
+    PyObject *tdict;                              /* the transport's __dict__ (last_stream, last_what) */
+    PyObject *cur_st, *cur_p;                     /* the current stream last seen, and its handle */
+    intptr_t cur_ptr;
+    intptr_t (*stream_ptr)(void);                 /* CuPy's own get_current_stream_ptr, or NULL */
+    long dev_l;
     int role;                                     /* 0 new, 1 in place, 2 out= */
     int is_root;
+    int cupy;                                     /* CuPy arrays: their attributes read here */
     long long xnb, onb, sx, so;
 } NcclRun;
 
@@ -436,6 +455,40 @@ static PyObject *run_any(NcclRun *r, PyObject *x, PyObject *out)
 static inline PyObject *call1(PyObject *f, PyObject *a)
 {
     return PyObject_Vectorcall(f, &a, 1, NULL);
+}
+
+/* CuPy: (x._c_contiguous and x.data.device_id == dev) -> 1/0 with *ptr = x.data.ptr (new
+ * reference) when 1, -1 on an error; what the kind's accessors read, without their calls */
+static int cupy_bind(NcclRun *r, PyObject *a, PyObject **ptr)
+{
+    PyObject *t = PyObject_GetAttr(a, s__c_contiguous);
+    if (t == NULL)
+        return -1;
+    int ok = PyObject_IsTrue(t);
+    Py_DECREF(t);
+    if (ok != 1)
+        return ok;
+    PyObject *mp = PyObject_GetAttr(a, s_data);
+    if (mp == NULL)
+        return -1;
+    t = PyObject_GetAttr(mp, s_device_id);
+    if (t == NULL) {
+        Py_DECREF(mp);
+        return -1;
+    }
+    long d = PyLong_AsLong(t);
+    Py_DECREF(t);
+    if (d == -1 && PyErr_Occurred()) {
+        Py_DECREF(mp);
+        return -1;
+    }
+    if (d != r->dev_l) {
+        Py_DECREF(mp);
+        return 0;
+    }
+    *ptr = PyObject_GetAttr(mp, s_ptr);
+    Py_DECREF(mp);
+    return *ptr == NULL ? -1 : 1;
 }
 
 /* 1: array a is C-contiguous on this GPU, 0: it is not, -1: an error */
@@ -455,22 +508,79 @@ static int usable(NcclRun *r, PyObject *a)
     return ok;
 }
 
+/* a usable array's pointer: 1 with *ptr set, 0 (take run_any), -1 (an error) */
+static inline int bind(NcclRun *r, PyObject *a, PyObject **ptr)
+{
+    if (r->cupy)
+        return cupy_bind(r, a, ptr);
+    int ok = usable(r, a);
+    if (ok == 1 && !(*ptr = call1(r->ptr, a)))
+        return -1;
+    return ok;
+}
+
+/* the transport's attribute ``name`` set to ``v`` (a store only when it differs) */
+static inline int keep(NcclRun *r, PyObject *name, PyObject *v)
+{
+    if (r->tdict != NULL) {
+        if (PyDict_GetItemWithError(r->tdict, name) == v)
+            return 0;
+        if (PyErr_Occurred())
+            return -1;
+        return PyDict_SetItem(r->tdict, name, v);
+    }
+    return PyObject_SetAttr(r->transport, name, v);
+}
+
+/* the current stream (*st, the watchdog's) and its handle (*p), new references */
+static int current_stream(NcclRun *r, PyObject **st, PyObject **p)
+{
+    if (r->stream_ptr != NULL) {   /* CuPy: its handle first; the Stream object as last time's */
+        intptr_t h = r->stream_ptr();
+        if (h == -1 && PyErr_Occurred())
+            return -1;
+        if (r->cur_st != NULL && h == r->cur_ptr) {
+            *st = Py_NewRef(r->cur_st);
+            *p = Py_NewRef(r->cur_p);
+            return 0;
+        }
+    }
+    if (!(*st = PyObject_CallNoArgs(r->get)))
+        return -1;
+    *p = PyLong_CheckExact(*st) ? Py_NewRef(*st) : call1(r->sptr, *st);
+    if (*p == NULL) {
+        Py_CLEAR(*st);
+        return -1;
+    }
+    if (r->stream_ptr != NULL) {   /* (held here: the handle cannot be another stream's while it is) */
+        intptr_t h = (intptr_t)PyLong_AsSsize_t(*p);
+        if (h == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        else {
+            Py_XSETREF(r->cur_st, Py_NewRef(*st));
+            Py_XSETREF(r->cur_p, Py_NewRef(*p));
+            r->cur_ptr = h;
+        }
+    }
+    return 0;
+}
+
 static PyObject *nccl_run_call(NcclRun *r, PyObject *x, PyObject *out)
 {
-    int ok = usable(r, x);
+    PyObject *xp = NULL, *op = NULL, *res = NULL, *st = NULL, *p = NULL, *t;
+    int ok = bind(r, x, &xp);
     if (ok < 0)
         return NULL;
     if (!ok)
         return run_any(r, x, out);
     PyObject *comm = PyObject_GetAttr(r->transport, s_comm);
     if (comm == NULL)
-        return NULL;
+        goto fail;
     Py_DECREF(comm);   /* (compared by identity only) */
-    if (comm != r->comm)
+    if (comm != r->comm) {
+        Py_DECREF(xp);
         return run_any(r, x, out);
-    PyObject *xp = call1(r->ptr, x), *op = NULL, *res = NULL, *st = NULL, *p = NULL, *t;
-    if (xp == NULL)
-        return NULL;
+    }
     if (r->role == 0) {
         if (!(res = PyObject_CallNoArgs(r->empty)) || !(op = call1(r->ptr, res)))
             goto fail;
@@ -494,15 +604,13 @@ static PyObject *nccl_run_call(NcclRun *r, PyObject *x, PyObject *out)
             Py_DECREF(sh);
         }
         if (same == 1)
-            same = usable(r, out);
+            same = bind(r, out, &op);
         if (same < 0)
             goto fail;
         if (!same) {
             Py_DECREF(xp);
             return run_any(r, x, out);
         }
-        if (!(op = call1(r->ptr, out)))
-            goto fail;
         long long a = PyLong_AsLongLong(xp), o = PyLong_AsLongLong(op);
         if (PyErr_Occurred())
             goto fail;
@@ -518,9 +626,8 @@ static PyObject *nccl_run_call(NcclRun *r, PyObject *x, PyObject *out)
     if (r->p0 != NULL) {
         p = Py_NewRef(r->p0);
         st = Py_NewRef(r->st0);
-    } else {
-        if (!(st = PyObject_CallNoArgs(r->get)) || !(p = call1(r->sptr, st)))
-            goto fail;
+    } else if (current_stream(r, &st, &p) < 0) {
+        goto fail;
     }
     {
         PyObject *a[7] = {xp, op, r->count, r->nt, r->e0, r->e1, p};
@@ -538,7 +645,7 @@ static PyObject *nccl_run_call(NcclRun *r, PyObject *x, PyObject *out)
             goto fail;
         Py_DECREF(t);
     }
-    if (PyObject_SetAttr(r->transport, s_last_stream, st) || PyObject_SetAttr(r->transport, s_last_what, r->what))
+    if (keep(r, s_last_stream, st) || keep(r, s_last_what, r->what))
         goto fail;
     Py_DECREF(xp);
     Py_DECREF(op);
@@ -574,7 +681,8 @@ static int nccl_run_traverse(NcclRun *r, visitproc visit, void *arg)
     Py_VISIT(r->contiguous); Py_VISIT(r->device); Py_VISIT(r->ptr); Py_VISIT(r->empty);
     Py_VISIT(r->get); Py_VISIT(r->sptr); Py_VISIT(r->p0); Py_VISIT(r->st0); Py_VISIT(r->count);
     Py_VISIT(r->nt); Py_VISIT(r->e0); Py_VISIT(r->e1); Py_VISIT(r->ocls); Py_VISIT(r->dtype);
-    Py_VISIT(r->oshape); Py_VISIT(r->what); Py_VISIT(r->dev);
+    Py_VISIT(r->oshape); Py_VISIT(r->what); Py_VISIT(r->dev); Py_VISIT(r->tdict); Py_VISIT(r->cur_st);
+    Py_VISIT(r->cur_p);
     return 0;
 }
 
@@ -584,7 +692,8 @@ static int nccl_run_clear(NcclRun *r)
     Py_CLEAR(r->contiguous); Py_CLEAR(r->device); Py_CLEAR(r->ptr); Py_CLEAR(r->empty);
     Py_CLEAR(r->get); Py_CLEAR(r->sptr); Py_CLEAR(r->p0); Py_CLEAR(r->st0); Py_CLEAR(r->count);
     Py_CLEAR(r->nt); Py_CLEAR(r->e0); Py_CLEAR(r->e1); Py_CLEAR(r->ocls); Py_CLEAR(r->dtype);
-    Py_CLEAR(r->oshape); Py_CLEAR(r->what); Py_CLEAR(r->dev);
+    Py_CLEAR(r->oshape); Py_CLEAR(r->what); Py_CLEAR(r->dev); Py_CLEAR(r->tdict); Py_CLEAR(r->cur_st);
+    Py_CLEAR(r->cur_p);
     return 0;
 }
 
@@ -599,14 +708,25 @@ static PyObject *nccl_run_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"transport", "comm", "lib", "run_any", "contiguous", "device", "ptr", "empty",
                             "get", "sptr", "p0", "st0", "count", "nt", "e0", "e1", "ocls", "dtype", "oshape",
-                            "what", "dev", "role", "is_root", "xnb", "onb", "sx", "so", NULL};
-    PyObject *o[21];
-    int role, is_root;
+                            "what", "dev", "role", "is_root", "xnb", "onb", "sx", "so", "cupy", "stream_ptr", NULL};
+    PyObject *o[21], *sp = Py_None;
+    int role, is_root, cupy = 0;
     long long xnb, onb, sx, so;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOOOOOOOOOOipLLLL", names, &o[0], &o[1], &o[2], &o[3],
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOOOOOOOOOOipLLLL|pO", names, &o[0], &o[1], &o[2], &o[3],
                                      &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13],
                                      &o[14], &o[15], &o[16], &o[17], &o[18], &o[19], &o[20], &role, &is_root,
-                                     &xnb, &onb, &sx, &so))
+                                     &xnb, &onb, &sx, &so, &cupy, &sp))
+        return NULL;
+    intptr_t (*fn)(void) = NULL;
+    if (sp != Py_None) {   /* CuPy's get_current_stream_ptr, exported by its Cython module */
+        const char *sig = PyCapsule_IsValid(sp, PyCapsule_GetName(sp)) ? PyCapsule_GetName(sp) : NULL;
+        /* anything but a function of that signature: the current stream as the Python path gets it */
+        if (sig != NULL && strstr(sig, "intptr_t") != NULL && strstr(sig, "(void)") != NULL)
+            fn = (intptr_t(*)(void))PyCapsule_GetPointer(sp, sig);
+        PyErr_Clear();
+    }
+    long dev_l = PyLong_AsLong(o[20]);
+    if (dev_l == -1 && PyErr_Occurred())
         return NULL;
     if (role < 0 || role > 2)
         return PyErr_Format(PyExc_ValueError, "role %d: 0 (new), 1 (in place) or 2 (out=)", role);
@@ -618,6 +738,14 @@ static PyObject *nccl_run_new(PyTypeObject *type, PyObject *args, PyObject *kw)
                         &r->ocls, &r->dtype, &r->oshape, &r->what, &r->dev};
     for (int i = 0; i < 21; i++)   /* None: absent (p0/st0: the current stream; e0/e1: no op/root) */
         *f[i] = (o[i] == Py_None && (i == 10 || i == 14 || i == 15)) ? NULL : Py_NewRef(o[i]);
+    r->tdict = PyObject_GenericGetDict(r->transport, NULL);   /* (NULL: set as attributes) */
+    if (r->tdict == NULL)
+        PyErr_Clear();
+    r->cur_st = r->cur_p = NULL;
+    r->cur_ptr = 0;
+    r->stream_ptr = fn;
+    r->dev_l = dev_l;
+    r->cupy = cupy;
     r->role = role;
     r->is_root = is_root;
     r->xnb = xnb;
@@ -648,6 +776,242 @@ static PyTypeObject NcclRunType = {
     .tp_dealloc = (destructor)nccl_run_dealloc,
 };
 
+/* ------------------------------------------------------------------ the public functions */
+
+/* Public: a public collective (mpicomm._collectives) whose common case is read here: its
+ * arguments bound to their parameters, the world group (group=None), a ReduceOp op and the
+ * parameters that must be None for it (sizes=...), then ``CTX.world.call(code, x, out, arg,
+ * async_op, stream)`` as the Python function makes it. Anything else (another group, an op
+ * given as a string, sizes, an argument error, before init) calls the Python function,
+ * which is also its __wrapped__ (signature, docstring). */
+#define MAXP 8
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *func, *names, *defaults, *code, *ctx, *reduceop;
+    int np, ix, iout, iarg, igroup, iasync, istream, iop, nnone;
+    int none[MAXP];
+} Public;
+
+static PyObject *s_world, *s_call;
+
+static PyObject *public_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Public *f = (Public *)self;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    PyObject *v[MAXP];
+    if (n > f->np)
+        goto slow;
+    for (int i = 0; i < f->np; i++)
+        v[i] = i < n ? args[i] : NULL;
+    if (kwnames != NULL) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t j = 0; j < nk; j++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+            int k = 0;
+            while (k < f->np && PyTuple_GET_ITEM(f->names, k) != name)
+                k++;
+            if (k == f->np || v[k] != NULL)   /* (a name not interned, unknown, or given twice) */
+                goto slow;
+            v[k] = args[n + j];
+        }
+    }
+    for (int i = 0; i < f->np; i++)
+        if (v[i] == NULL) {
+            if (i == f->ix)
+                goto slow;
+            v[i] = PyTuple_GET_ITEM(f->defaults, i);
+        }
+    if (v[f->igroup] != Py_None || (f->iop >= 0 && Py_TYPE(v[f->iop]) != (PyTypeObject *)f->reduceop))
+        goto slow;
+    for (int i = 0; i < f->nnone; i++)
+        if (v[f->none[i]] != Py_None)
+            goto slow;
+    PyObject *world = PyObject_GetAttr(f->ctx, s_world);
+    if (world == NULL)
+        return NULL;
+    if (world == Py_None) {
+        Py_DECREF(world);
+        goto slow;
+    }
+    PyObject *call = PyObject_GetAttr(world, s_call);
+    Py_DECREF(world);
+    if (call == NULL)
+        return NULL;
+    if (call == Py_None) {
+        Py_DECREF(call);
+        goto slow;
+    }
+    PyObject *a[6] = {f->code, v[f->ix], f->iout >= 0 ? v[f->iout] : Py_None,
+                      f->iarg >= 0 ? v[f->iarg] : Py_None, v[f->iasync], v[f->istream]};
+    PyObject *r = PyObject_Vectorcall(call, a, 6, NULL);
+    Py_DECREF(call);
+    return r;
+slow:
+    return PyObject_Vectorcall(f->func, args, nargsf, kwnames);
+}
+
+static int public_index(PyObject *names, PyObject *name, int *out)
+{
+    if (name == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(names); k++) {
+        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, k), name, Py_EQ);
+        if (eq < 0)
+            return -1;
+        if (eq) {
+            *out = (int)k;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "%R is not one of the parameters %R", name, names);
+    return -1;
+}
+
+/* Public(func, code, ctx, reduceop, x=, out=, arg=, group=, async_op=, stream=, op=, none=())
+ * with the parameters named as func names them (out/arg/op None: it has none) */
+static PyObject *public_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"func", "code", "ctx", "reduceop", "x", "out", "arg", "group", "async_op", "stream",
+                          "op", "none", NULL};
+    PyObject *func, *code, *ctx, *reduceop, *nx, *nout, *narg, *ngroup, *nasync, *nstream, *nop, *none;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO$OOOOOOOO", kwl, &func, &code, &ctx, &reduceop, &nx, &nout,
+                                     &narg, &ngroup, &nasync, &nstream, &nop, &none))
+        return NULL;
+    /* the parameters and their defaults, from the function */
+    PyObject *c = PyObject_GetAttrString(func, "__code__");
+    PyObject *defs = c ? PyObject_GetAttrString(func, "__defaults__") : NULL;
+    PyObject *kwdefs = defs ? PyObject_GetAttrString(func, "__kwdefaults__") : NULL;
+    PyObject *varnames = kwdefs ? PyObject_GetAttrString(c, "co_varnames") : NULL;
+    PyObject *argc = varnames ? PyObject_GetAttrString(c, "co_argcount") : NULL;
+    PyObject *kwonly = argc ? PyObject_GetAttrString(c, "co_kwonlyargcount") : NULL;
+    Public *f = NULL;
+    if (kwonly == NULL)
+        goto done;
+    Py_ssize_t na = PyLong_AsSsize_t(argc), nk = PyLong_AsSsize_t(kwonly);
+    if (nk != 0 || na > MAXP || na < 1 || !PyTuple_Check(varnames) || !PyTuple_Check(defs)
+        || PyTuple_GET_SIZE(defs) != na - 1) {
+        PyErr_Format(PyExc_TypeError, "Public: %R is not a function (x, ...) whose other parameters have defaults", func);
+        goto done;
+    }
+    f = PyObject_GC_New(Public, type);
+    if (f == NULL)
+        goto done;
+    f->dict = PyDict_New();
+    f->names = PyTuple_New(na);
+    f->defaults = PyTuple_New(na);
+    f->func = Py_NewRef(func);
+    f->code = Py_NewRef(code);
+    f->ctx = Py_NewRef(ctx);
+    f->reduceop = Py_NewRef(reduceop);
+    f->np = (int)na;
+    f->nnone = 0;
+    f->vectorcall = public_vectorcall;
+    PyObject_GC_Track(f);
+    if (f->dict == NULL || f->names == NULL || f->defaults == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        PyObject *nm = PyTuple_GET_ITEM(varnames, i);
+        Py_INCREF(nm);
+        PyUnicode_InternInPlace(&nm);
+        PyTuple_SET_ITEM(f->names, i, nm);
+        PyTuple_SET_ITEM(f->defaults, i, Py_NewRef(i == 0 ? Py_None : PyTuple_GET_ITEM(defs, i - 1)));
+    }
+    if (public_index(f->names, nx, &f->ix) || public_index(f->names, nout, &f->iout)
+        || public_index(f->names, narg, &f->iarg) || public_index(f->names, ngroup, &f->igroup)
+        || public_index(f->names, nasync, &f->iasync) || public_index(f->names, nstream, &f->istream)
+        || public_index(f->names, nop, &f->iop))
+        goto fail;
+    if (f->ix != 0 || f->igroup < 0 || f->iasync < 0 || f->istream < 0) {
+        PyErr_SetString(PyExc_ValueError, "Public: x first; group, async_op and stream named");
+        goto fail;
+    }
+    PyObject *seq = PySequence_Fast(none, "none: a sequence of parameter names");
+    if (seq == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && i < MAXP; i++) {
+        if (public_index(f->names, PySequence_Fast_GET_ITEM(seq, i), &f->none[f->nnone])) {
+            Py_DECREF(seq);
+            goto fail;
+        }
+        f->nnone++;
+    }
+    Py_DECREF(seq);
+    /* what a function shows: its name, docstring and signature (through __wrapped__) */
+    static const char *copied[] = {"__name__", "__qualname__", "__module__", "__doc__", "__annotations__", NULL};
+    for (int i = 0; copied[i]; i++) {
+        PyObject *a = PyObject_GetAttrString(func, copied[i]);
+        if (a == NULL || PyDict_SetItemString(f->dict, copied[i], a)) {
+            Py_XDECREF(a);
+            goto fail;
+        }
+        Py_DECREF(a);
+    }
+    if (PyDict_SetItemString(f->dict, "__wrapped__", func))
+        goto fail;
+    goto done;
+fail:
+    Py_CLEAR(f);
+done:
+    Py_XDECREF(c);
+    Py_XDECREF(defs);
+    Py_XDECREF(kwdefs);
+    Py_XDECREF(varnames);
+    Py_XDECREF(argc);
+    Py_XDECREF(kwonly);
+    return (PyObject *)f;
+}
+
+static int public_traverse(Public *f, visitproc visit, void *arg)
+{
+    Py_VISIT(f->dict); Py_VISIT(f->func); Py_VISIT(f->names); Py_VISIT(f->defaults); Py_VISIT(f->code);
+    Py_VISIT(f->ctx); Py_VISIT(f->reduceop);
+    return 0;
+}
+
+static int public_clear(Public *f)
+{
+    Py_CLEAR(f->dict); Py_CLEAR(f->func); Py_CLEAR(f->names); Py_CLEAR(f->defaults); Py_CLEAR(f->code);
+    Py_CLEAR(f->ctx); Py_CLEAR(f->reduceop);
+    return 0;
+}
+
+static void public_dealloc(Public *f)
+{
+    PyObject_GC_UnTrack(f);
+    public_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *public_repr(Public *f)
+{
+    PyObject *q = PyObject_GetAttrString(f->func, "__qualname__");
+    if (q == NULL)
+        return NULL;
+    PyObject *r = PyUnicode_FromFormat("<function %S (common case compiled)>", q);
+    Py_DECREF(q);
+    return r;
+}
+
+static PyTypeObject PublicType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpicomm._native._callpath.Public",
+    .tp_doc = "Public(func, code, ctx, reduceop, ...): a public collective with its common case compiled",
+    .tp_basicsize = sizeof(Public),
+    .tp_dictoffset = offsetof(Public, dict),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Public, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = public_new,
+    .tp_repr = (reprfunc)public_repr,
+    .tp_traverse = (traverseproc)public_traverse,
+    .tp_clear = (inquiry)public_clear,
+    .tp_dealloc = (destructor)public_dealloc,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef module_methods[] = {
@@ -661,7 +1025,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_callpath",
 
 PyMODINIT_FUNC PyInit__callpath(void)
 {
-    if (intern_all() < 0 || PyType_Ready(&NcclRunType) < 0)
+    if (intern_all() < 0 || PyType_Ready(&NcclRunType) < 0 || PyType_Ready(&PublicType) < 0
+        || !(s_world = PyUnicode_InternFromString("world")) || !(s_call = PyUnicode_InternFromString("call")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -670,6 +1035,7 @@ PyMODINIT_FUNC PyInit__callpath(void)
 #define MPICOMM_SOURCE ""
 #endif
     if (PyModule_AddObjectRef(m, "NcclRun", (PyObject *)&NcclRunType) < 0
+        || PyModule_AddObjectRef(m, "Public", (PyObject *)&PublicType) < 0
         || PyModule_AddStringConstant(m, "SOURCE", MPICOMM_SOURCE) < 0) {
         Py_DECREF(m);
         return NULL;
