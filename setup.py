@@ -6,16 +6,25 @@ import os
 
 from setuptools import Extension, setup
 
-SOURCE = os.path.join("mpicomm", "_native", "_callpath.c")
+NATIVE = os.path.join("mpicomm", "_native")
+SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c"]   # (and callpath.h)
+
+
+def source_hash(here):
+    """mpicomm._native.source_hash(): the hash of the sources, carried by the build."""
+    h = hashlib.sha256()
+    for name in sorted(SOURCES + ["callpath.h"]):
+        with open(os.path.join(here, NATIVE, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
 
 
 def extension(optional=True):
-    """The extension, carrying its source's hash (mpicomm._native refuses a stale build)."""
+    """The extension, carrying its sources' hash (mpicomm._native refuses a stale build)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, SOURCE), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return Extension("mpicomm._native._callpath", [SOURCE], extra_compile_args=["-O2"],
-                     define_macros=[("MPICOMM_SOURCE", f'"{digest}"')], optional=optional)
+    return Extension("mpicomm._native._callpath", [os.path.join(NATIVE, s) for s in SOURCES],
+                     depends=[os.path.join(NATIVE, "callpath.h")], extra_compile_args=["-O2"],
+                     define_macros=[("MPICOMM_SOURCE", f'"{source_hash(here)}"')], optional=optional)
 
 
 if __name__ == "__main__":

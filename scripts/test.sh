@@ -100,23 +100,26 @@ if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
 fi
 stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 
-for n in $ranks; do
-    echo "== MPI tests at $n rank(s) (rank 0 shown; the others' log tails follow a failure)"
-    mkdir -p "$work/np$n"
-    # bash -c SCRIPT DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
-    stage "mpi-x$n" "$n" "$mpi_limit" "$mpirun" "${root_flags[@]}" -n "$n" \
-        bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-                 if [ "$r" = 0 ]; then exec "$@" --basetemp="$0/tmp.$r"
-                 else exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1; fi' \
-        "$work/np$n" "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi "$@" tests
+# bash -c "$per_rank" DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
+per_rank='r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+          if [ "$r" = 0 ]; then exec "$@" --basetemp="$0/tmp.$r"
+          else exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1; fi'
+tails() {  # tails DIR: after a failed stage, the end of each other rank's log
     if [ "$failed" = 1 ]; then
-        for f in "$work"/np$n/rank.*.log; do
+        for f in "$1"/rank.*.log; do
             if [ -f "$f" ]; then
                 echo "---- ${f##*/} (tail)"
                 tail -n 40 "$f"
             fi
         done
     fi
+}
+for n in $ranks; do
+    echo "== MPI tests at $n rank(s) (rank 0 shown; the others' log tails follow a failure)"
+    mkdir -p "$work/np$n"
+    stage "mpi-x$n" "$n" "$mpi_limit" "$mpirun" "${root_flags[@]}" -n "$n" \
+        bash -c "$per_rank" "$work/np$n" "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi "$@" tests
+    tails "$work/np$n"
 done
 # The MPI tests once more through the Python call path that the compiled one mirrors
 # (mpicomm/_native; MPICOMM_NATIVE=0), where the compiled one is in use: both stay tested.
@@ -124,8 +127,10 @@ py_ranks=${MPICOMM_TEST_PYTHON_PATH_RANKS-$([ "$default_ranks" = "1 2 3 4" ] && 
 if [ -n "$py_ranks" ] && "$py" -c "import sys, mpicomm._native as n; sys.exit(not n.active())" 2>/dev/null; then
     for n in $py_ranks; do
         echo "== MPI tests at $n rank(s) through the Python call path (MPICOMM_NATIVE=0)"
+        mkdir -p "$work/py$n"
         stage "mpi-py-x$n" "$n" "$mpi_limit" env MPICOMM_NATIVE=0 "$mpirun" "${root_flags[@]}" -n "$n" \
-            "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi --basetemp="$work/py$n.tmp" "$@" tests
+            bash -c "$per_rank" "$work/py$n" "$py" -m pytest "${pytest_flags[@]}" --with-mpi -m mpi "$@" tests
+        tails "$work/py$n"
     done
 fi
 echo "== summary ($((SECONDS - started))s in all)"

@@ -565,13 +565,11 @@ def test_blocking_calls_run_compiled(cp, request):
     """Where mpicomm/_native is built, a blocking collective on CuPy arrays runs through the
     compiled NcclRun: new output, in place, out=, reduce's root, broadcast, on new arrays
     every call (the prepared call reused)."""
-    from mpicomm import _native
     from mpicomm._ops import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER
     from mpicomm._state import CTX
-    from launch_support import require
+    from test_native import need_compiled
 
-    if not _native.active():
-        require(f"the compiled call path is not in use: {_native.why_not}")
+    need_compiled()
     d = CTX.world.disp
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     for i in range(3):

@@ -1,6 +1,6 @@
 """mpicomm's call path compiled: ``callpath`` is the C module (mpicomm/_native/_callpath.c), or
 None where it is not built, was built from another version of the source, or
-``MPICOMM_NATIVE=0`` is set.
+``MPICOMM_NATIVE=0`` is set (the sources: _callpath.c, the module, and the files it names).
 
 It holds the common case of ``Dispatcher.call`` and the NCCL transport's run of a blocking
 collective on CuPy arrays or PyTorch tensors, each the Python it replaces written out in C
@@ -15,16 +15,20 @@ import hashlib
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "_callpath.c")
+SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c"]   # the module's files (and callpath.h)
 
 
 def source_hash() -> str:
-    """The hash a build of this source carries (SOURCE in the module); '' without the source."""
+    """The hash a build of these sources carries (SOURCE in the module); '' without them
+    (setup.py computes the same)."""
+    h = hashlib.sha256()
     try:
-        with open(SOURCE, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
-    except OSError:   # an installed wheel carries the build, not the source
+        for name in sorted(SOURCES + ["callpath.h"]):
+            with open(os.path.join(HERE, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    except OSError:   # an installed wheel carries the build, not the sources
         return ""
+    return h.hexdigest()[:16]
 
 
 def _load():
@@ -43,7 +47,7 @@ def _load():
     else:
         want = source_hash()
         why = None if not want or getattr(mod, "SOURCE", None) == want else \
-            f"built from another version of {SOURCE} (rebuild: python -m mpicomm._native)"
+            f"built from another version of its sources in {HERE} (rebuild: python -m mpicomm._native)"
         if why:
             mod = None
     if mod is None and mode == "1":

@@ -11,13 +11,13 @@ import sysconfig
 
 
 def main():
-    from . import HERE, SOURCE, source_hash
+    from . import HERE, SOURCES, source_hash
 
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     target = os.path.join(HERE, "_callpath" + sysconfig.get_config_var("EXT_SUFFIX"))
     tmp = target + f".{os.getpid()}.tmp"
     argv = cc + ["-O2", "-shared", "-fPIC", "-I" + sysconfig.get_paths()["include"],
-                 f'-DMPICOMM_SOURCE="{source_hash()}"', SOURCE, "-o", tmp]
+                 f'-DMPICOMM_SOURCE="{source_hash()}"'] + [os.path.join(HERE, s) for s in SOURCES] + ["-o", tmp]
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode:
         sys.stderr.write(r.stdout + r.stderr)
