@@ -134,6 +134,25 @@ def main():
 
                 cupy.cuda.get_current_stream().synchronize()
         say("finished")
+    elif MODE == "replay_skip":  # a CuPy graph of one all_reduce; rank 1 skips the second replay and sleeps
+        import cupy
+
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        out = cupy.empty(4, np.float32)
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            mpicomm.all_reduce(x, out=out)
+            s.synchronize()
+            s.begin_capture()
+            mpicomm.all_reduce(x, out=out)
+            g = s.end_capture()
+        for i in range(3):
+            if i == 1 and r == 1:
+                time.sleep(120)
+                continue
+            mpicomm.replay(g, s)
+            s.synchronize()
+        say("finished")
     elif MODE == "flight_skip":  # as "skip", but rank 1 writes its flight record before it stalls
         x = arr(rng.standard_normal(4).astype(np.float32))
         for i in range(5):

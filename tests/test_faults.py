@@ -98,6 +98,20 @@ def test_missing_rank_times_out_with_diagnosis(gpu):
                      r"not in a collective$", p.stderr, re.M), p.stderr
 
 
+@pytest.mark.parametrize("gpu", [GPU])
+def test_replay_that_a_rank_skips_names_it(gpu):
+    """nccl-gpu: both ranks replay a captured all_reduce through mpicomm.replay; rank 1 skips
+    the second replay: rank 0's replay waits on the GPU, and its watchdog reports it after the
+    timeout, naming rank 1 by the graphs each rank replayed, and ends the job."""
+    p, took = run(2, "replay_skip", gpu, limit=TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + 30, (took, p.stderr)
+    assert "RESULT" not in p.stdout
+    m = re.search(r"^\[mpicomm rank 0\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+    assert m, p.stderr
+    assert "rank 0: the CUDA graph of this rank's replay 2 (mpicomm.replay) did not complete" in m.group(1)
+    assert "rank 1 replayed fewer graphs" in m.group(1) and "rank 0: 2, rank 1: 1" in m.group(1), m.group(1)
+
+
 def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
     """Rank 1 of 3 writes its record and skips the third all_reduce: ranks 0 and 2 report the
     timeout and write theirs; rank 0's report ends with the file's path, and mpicomm-trace on

@@ -162,3 +162,60 @@ def test_sizes_auto_in_a_capture_raises(nccl):
         g.launch(stream=s)
         s.synchronize()
         np.testing.assert_allclose(cp.asnumpy(res), np.concatenate(p), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_replay_through_mpicomm_is_counted_and_checked(nccl, kind):
+    """mpicomm.replay(graph) replays as graph.replay()/launch() does (results checked), counts
+    this rank's replays in its progress window (what the watchdog compares when one does not
+    complete), and refuses what is not a graph or a stream of the graph's kind."""
+    from mpicomm._reliability.progress import REPLAYS
+    from mpicomm._state import CTX
+
+    n, r, k = *nccl, 5
+    m = CTX.reliability.progress.m
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        x = torch.from_numpy(parts(n, 0, k)[r]).to(dev)
+        mpicomm.all_reduce(x.clone())
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            res = mpicomm.all_reduce(x)
+        put = lambda a: x.copy_(torch.from_numpy(a).to(dev))   # noqa: E731
+        get = lambda: res.cpu().numpy()                          # noqa: E731
+        sync, stream, wrong = torch.cuda.synchronize, torch.cuda.Stream(), __import__("cupy").cuda.Stream()
+    else:
+        import cupy as cp
+
+        s = cp.cuda.Stream(non_blocking=True)
+        x = cp.asarray(parts(n, 0, k)[r])
+        out = cp.empty(k * n, cp.float32)
+        with s:
+            mpicomm.all_reduce(x, out=out)
+            s.synchronize()
+            s.begin_capture()
+            mpicomm.all_reduce(x, out=out)
+            g = s.end_capture()
+
+        def put(a):
+            x[...] = cp.asarray(a)
+            s.synchronize()
+        get = lambda: cp.asnumpy(out)   # noqa: E731
+        sync, stream, wrong = s.synchronize, s, None
+    for rep in range(1, 4):
+        p = parts(n, rep, k)
+        put(p[r])
+        before = m[REPLAYS]
+        mpicomm.replay(g, stream if rep == 3 else None)
+        assert m[REPLAYS] == before + 1
+        sync()
+        if rep == 3 and kind == "torch":
+            stream.synchronize()
+        np.testing.assert_allclose(get(), np.sum(p, axis=0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(mpicomm.InvalidArgumentError, match="graph"):
+        mpicomm.replay(object())
+    if wrong is not None:
+        with pytest.raises(mpicomm.InvalidArgumentError, match="stream"):
+            mpicomm.replay(g, wrong)

@@ -18,8 +18,10 @@ import numpy as np
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
-# its tag, stack-dump request, the agreement report (its length in bytes, then REASON_WORDS
-# words of UTF-8 text), then ROWS rows of F fields]. "exited" is set when the process
+# its tag, stack-dump request, CUDA graphs replayed through mpicomm.replay, the agreement
+# report (its length in bytes, then REASON_WORDS words of UTF-8 text), then ROWS rows of F
+# fields]. REPLAYS counts this rank's mpicomm.replay calls: a replay that does not complete
+# is diagnosed by comparing the counts (mpicomm._replay). "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
@@ -31,8 +33,9 @@ EXITED = 2
 XSTATUS = 3
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
-REASON_LEN = 8
-REASON = 9
+REPLAYS = 8
+REASON_LEN = 9
+REASON = 10
 REASON_WORDS = 64
 HDR = REASON + REASON_WORDS
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)

@@ -12,6 +12,7 @@ records a CUDA event on the stream of each group's last call (the transport's
 """
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from .abort import abort_job, rank_prefix
 from . import agreement as agr
 from .cross_host import CrossHostCheck
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DUMP, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, ROWS, SPECSEQ, TDONE,
+from .progress import (DUMP, REPLAYS, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, ROWS, SPECSEQ, TDONE,
                        XSTATUS, F, ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
@@ -56,6 +57,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
         self._xturn = 0                # where the next round of those comparisons starts
         self._xspec = {}               # row -> this rank's CallSpec of the first call that differs
         self._xread = {}               # row -> (partner, its reads in flight, started)
+        self._replays = collections.deque()   # (event, count, when) of mpicomm.replay calls not known done
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
         self._thread = None
@@ -144,6 +146,8 @@ class Watchdog(Diagnosis, CrossHostCheck):
             sys.stderr.write(self._flight_line("SIGUSR1"))
             sys.stderr.flush()
         if self.device_id is not None:
+            if self._replays and self._tick_replays(now):
+                return
             self._tick_gpu(events, now)
         if now >= self._xnext:
             self._xnext = now + agr.XHOST_EVERY
@@ -334,7 +338,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
             d0, e, t0, what, g0 = ev
             if not finished and now - t0 >= agr.WAIT_CHECK and self._disagreement(g0, b, d0 >> 4, now - t0):
                 return
-            if not finished and (now - t0 >= self.timeout
+            if not finished and not self._replays and (now - t0 >= self.timeout   # (a replay: its own report)
                                or (now - t0 >= EXIT_CHECK and self._peer_exited(g0, d0 >> 4))):
                 desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
                 self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True,
@@ -370,6 +374,46 @@ class Watchdog(Diagnosis, CrossHostCheck):
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE, code=code)
+
+    # ------------------------------------------------------ mpicomm.replay
+    def watch_replay(self, event, count):
+        """A CUDA graph replayed through mpicomm.replay (this rank's replay ``count``), done
+        when ``event`` is (mpicomm._replay)."""
+        q = self._replays
+        while q and q[0][0].done:   # (the replays before it on the stream)
+            q.popleft()
+        q.append((event, count, time.monotonic()))
+
+    def _tick_replays(self, now):
+        """The oldest replay not done: reported past the timeout. True when it fired."""
+        q = self._replays
+        try:
+            while q and q[0][0].done:
+                q.popleft()
+        except Exception:   # (an event of a context that is gone)
+            q.clear()
+        if not q or now - q[0][2] < self.timeout:
+            return False
+        with self._lock:
+            if self.fired:
+                return True
+            self.fired = True
+        _, count, t0 = q[0]
+        me, n = self.world.ranks[self.world.rank], self.world.size
+        states = self.progress.read_peers(list(range(n)))
+        counts = {r: (int(st[REPLAYS]) if st is not None else None) for r, st in states.items()}
+        fewer = [r for r, c in counts.items() if c is not None and c < count]
+        seen = ", ".join(f"rank {r}: {'unknown' if c is None else c}" for r, c in counts.items())
+        why = (f"rank{'s' if len(fewer) > 1 else ''} {', '.join(map(str, fewer))} replayed fewer graphs: "
+               "a collective captured in this one waits for {}".format("them" if len(fewer) > 1 else "it")
+               if fewer else "every rank replayed as many graphs: their captured collectives differ, or a "
+               "rank waits in other GPU work")
+        msg = (f"rank {me}: the CUDA graph of this rank's replay {count} (mpicomm.replay) did not complete "
+               f"within {now - t0:.0f} s; {why} (graphs replayed so far: {seen}). Replay the same graphs in "
+               f"the same order on every rank (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now "
+               f"{self.timeout:g} s)")
+        self._report(msg, False, [r for r in range(n) if r != me])
+        return True
 
     def fire_p2p(self, word, waited, early=False):
         """Report a blocking send/recv that did not complete (or whose peer left) and abort."""
