@@ -264,25 +264,24 @@ static PyObject *nccl_run_vectorcall(PyObject *self, PyObject *const *args, size
     return nccl_run_call((NcclRun *)self, args[0], args[1]);
 }
 
+/* every object field, once: what the garbage collector visits and what clear drops */
+#define NCCL_RUN_OBJECTS(X) X(transport) X(comm) X(lib) X(run_any) X(contiguous) X(device) X(ptr) X(empty) \
+    X(get) X(sptr) X(p0) X(st0) X(count) X(nt) X(e0) X(e1) X(ocls) X(dtype) X(oshape) X(what) X(dev) \
+    X(tdict) X(cur_st) X(cur_p)
+
 static int nccl_run_traverse(NcclRun *r, visitproc visit, void *arg)
 {
-    Py_VISIT(r->transport); Py_VISIT(r->comm); Py_VISIT(r->lib); Py_VISIT(r->run_any);
-    Py_VISIT(r->contiguous); Py_VISIT(r->device); Py_VISIT(r->ptr); Py_VISIT(r->empty);
-    Py_VISIT(r->get); Py_VISIT(r->sptr); Py_VISIT(r->p0); Py_VISIT(r->st0); Py_VISIT(r->count);
-    Py_VISIT(r->nt); Py_VISIT(r->e0); Py_VISIT(r->e1); Py_VISIT(r->ocls); Py_VISIT(r->dtype);
-    Py_VISIT(r->oshape); Py_VISIT(r->what); Py_VISIT(r->dev); Py_VISIT(r->tdict); Py_VISIT(r->cur_st);
-    Py_VISIT(r->cur_p);
+#define VISIT(f) Py_VISIT(r->f);
+    NCCL_RUN_OBJECTS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int nccl_run_clear(NcclRun *r)
 {
-    Py_CLEAR(r->transport); Py_CLEAR(r->comm); Py_CLEAR(r->lib); Py_CLEAR(r->run_any);
-    Py_CLEAR(r->contiguous); Py_CLEAR(r->device); Py_CLEAR(r->ptr); Py_CLEAR(r->empty);
-    Py_CLEAR(r->get); Py_CLEAR(r->sptr); Py_CLEAR(r->p0); Py_CLEAR(r->st0); Py_CLEAR(r->count);
-    Py_CLEAR(r->nt); Py_CLEAR(r->e0); Py_CLEAR(r->e1); Py_CLEAR(r->ocls); Py_CLEAR(r->dtype);
-    Py_CLEAR(r->oshape); Py_CLEAR(r->what); Py_CLEAR(r->dev); Py_CLEAR(r->tdict); Py_CLEAR(r->cur_st);
-    Py_CLEAR(r->cur_p);
+#define CLEAR(f) Py_CLEAR(r->f);
+    NCCL_RUN_OBJECTS(CLEAR)
+#undef CLEAR
     return 0;
 }
 
