@@ -21,6 +21,11 @@ prepared call carries its CallSpec (mpicomm._callspec); the call publishes ``seq
 signature`` and, after the transport call, compares the words of the other members on its
 host. The slow paths (a disagreement, a refusal, a member's report) are in
 mpicomm._dispatch_checks; they run only when a check fails or a report word is set.
+
+Where the compiled call path is built (mpicomm/_native), ``call`` is its C twin
+(dispatch.c: the same steps on the same slots and words, handing new signatures, report
+words and errors to the same methods: call_new, poisoned, raise_in_call); this Python
+``call`` stays as ``py_call``.
 """
 from __future__ import annotations
 
