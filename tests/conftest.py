@@ -1,7 +1,11 @@
 """Shared fixtures. MPI tests are marked ``@pytest.mark.mpi`` and run under mpirun at
 1, 2, 3 and 4 ranks (scripts/test.sh); unmarked tests run once, without mpirun."""
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -127,3 +131,30 @@ def mpirun_argv(n, *args):
 
     mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
     return [mpirun, "--oversubscribe", "-n", str(n), sys.executable, *args]
+
+
+# Open MPI 5's launcher (prterun) writes one byte past the end of its help messages, the
+# "MPI_ABORT was invoked" banner among them: a NUL, now and then another byte (PRRTE fixed it
+# upstream in openpmix/prrte#1905). The byte lands before whatever line a rank prints next.
+_LAUNCHER_STRAY = re.compile(rb"(?m)(^-{20,}\n)[\x00\x80-\xff](?=[\x00-\x7f]|\Z)")
+
+
+def job_text(raw):
+    """A job's output bytes as text, without the launcher's stray byte after its banners."""
+    return _LAUNCHER_STRAY.sub(rb"\1", raw).decode("utf-8", errors="replace")
+
+
+def run_job(argv, env, timeout, cwd=None):
+    """Run an mpirun job in a session of its own: (CompletedProcess with text, seconds).
+    A job past ``timeout`` is killed whole (mpirun and every rank) and raises TimeoutExpired,
+    so no rank of a failed case lives on into the next one."""
+    t0 = time.monotonic()
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True, cwd=cwd) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=job_text(out), stderr=job_text(err)) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, job_text(out), job_text(err)), time.monotonic() - t0

@@ -3,14 +3,10 @@ call that cannot complete (another collective, a count that makes MPI wait, anot
 The watchdog names the disagreement, with every rank's call, within 2 s of the wait (not
 at the timeout), and the job ends with a non-zero status. The timeout here is 60 s, so a
 report that came from the timeout would fail the time limit."""
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import ROOT, clean_mpi_env, mpirun_argv
+from conftest import clean_mpi_env, mpirun_argv, run_job
 from launch_support import spawns_mpirun
 
 HEAD = r"""
@@ -45,9 +41,7 @@ def test_blocked_disagreement_ends_the_job_naming_each_call(tmp_path, case, n):
     # the check's default (on): MPICOMM_CHECK unset
     env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
     env.pop("MPICOMM_CHECK", None)
-    t0 = time.monotonic()
-    p = subprocess.run(mpirun_argv(n, str(script)), env=env, capture_output=True, text=True, timeout=120)
-    took = time.monotonic() - t0
+    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
     err = p.stderr
     assert p.returncode != 0, (p.stdout, err)
     reports = [ln for ln in err.splitlines() if "CollectiveMismatchError:" in ln]
@@ -66,6 +60,6 @@ def test_check_off_leaves_it_to_the_timeout(tmp_path):
     script.write_text(HEAD + CASES["collective"][0] + "\n")
     env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "6", "MPICOMM_CHECK": "0",
                          "MPICOMM_TRACE_DIR": str(tmp_path)})
-    p = subprocess.run(mpirun_argv(2, str(script)), env=env, capture_output=True, text=True, timeout=120)
+    p, _ = run_job(mpirun_argv(2, str(script)), env, 120)
     assert p.returncode != 0
     assert "CollectiveTimeoutError" in p.stderr and "CollectiveMismatchError" not in p.stderr, p.stderr

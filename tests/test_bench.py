@@ -6,14 +6,13 @@ import fnmatch
 import json
 import os
 import statistics
-import subprocess
 import sys
 import types
 
 import numpy as np
 import pytest
 
-from conftest import clean_mpi_env, mpirun_argv
+from conftest import clean_mpi_env, mpirun_argv, run_job
 from launch_support import have_mpirun, spawns_mpirun
 from mpicomm.tools.bench import buckets, cases, cli, report, timing
 from mpicomm.tools.bench.arrays import NumpyFamily
@@ -381,8 +380,8 @@ def test_percall_defaults():
 # ---------------------------------------------------------------- real runs at 2 ranks
 
 def _run(args, tmp_path, env=None):
-    proc = subprocess.run(mpirun_argv(2, "-m", "mpicomm.tools.bench", *args), env=clean_mpi_env(env),
-                          capture_output=True, text=True, errors="replace", timeout=TIMEOUT, cwd=str(tmp_path))
+    proc, _ = run_job(mpirun_argv(2, "-m", "mpicomm.tools.bench", *args), clean_mpi_env(env), TIMEOUT,
+                      cwd=str(tmp_path))
     return proc.returncode, proc.stdout, proc.stderr
 
 

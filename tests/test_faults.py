@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, clean_mpi_env, mpirun_argv
+from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 
 WORKER = os.path.join(ROOT, "tests", "reliability_worker.py")
 TIMEOUT = 5  # MPICOMM_TIMEOUT in these jobs, seconds
@@ -47,18 +47,7 @@ def _trace_dir(tmp_path, monkeypatch):
 def run(n, mode, gpu=False, limit=120, env=None, token=None):
     argv = mpirun_argv(n, WORKER, mode, *(["--gpu"] if gpu else []), *([token] if token else []))
     e = clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT), **(env or {})})
-    t0 = time.monotonic()
-    # a session of its own: a job past the limit is killed whole (mpirun and every rank), so
-    # no rank of a failed case lives on into the next one
-    with subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace", start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(argv, limit, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err), time.monotonic() - t0
+    return run_job(argv, e, limit)
 
 
 def timeout_report(n, mode, env=None):
@@ -719,3 +708,15 @@ def test_sigusr1_prints_stacks_and_writes_flight_records(tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_launcher_stray_byte_after_a_banner_is_dropped():
+    """The launcher's byte past its banner (a NUL or another byte) is not taken as the start of
+    the rank's next line; a rank's own non-ASCII text stays."""
+    from conftest import job_text
+    banner = b"-" * 74 + b"\n"
+    for stray in (b"\x00", b"\xd3"):
+        assert job_text(banner + stray + b"[mpicomm rank 0] X\n") == banner.decode() + "[mpicomm rank 0] X\n"
+        assert job_text(banner + stray) == banner.decode()
+    assert job_text(banner + "é [rank 0]\n".encode()) == banner.decode() + "é [rank 0]\n"
+    assert job_text(b"a\x00b\n") == "a\x00b\n"

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, clean_mpi_env, mpirun_argv
+from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 
 WORKER = os.path.join(ROOT, "tests", "reliability_worker.py")
 ALLOWED = "expected an integer >= 0: the calls kept per group (default 64; 0 turns the flight recorder off)"
@@ -162,8 +162,7 @@ def test_dump_flight_record_refuses_a_bad_path(comm):
 
 # ------------------------------------------------------------------ serial: fresh jobs
 def _job(n, mode, env, limit=90):
-    p = subprocess.run(mpirun_argv(n, WORKER, mode), env=clean_mpi_env({"MPICOMM_TIMEOUT": "60", **env}),
-                       capture_output=True, text=True, timeout=limit, errors="replace")
+    p, _ = run_job(mpirun_argv(n, WORKER, mode), clean_mpi_env({"MPICOMM_TIMEOUT": "60", **env}), limit)
     out = {}
     for m in re.finditer(r"^RESULT rank=(\d+) (.*)$", p.stdout, re.M):
         out.setdefault(int(m.group(1)), []).append(m.group(2))

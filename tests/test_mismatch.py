@@ -7,7 +7,6 @@
 - An MPI truncation on one rank (a longer message than its call made room for) becomes
   CollectiveMismatchError naming the collective and MPICOMM_DEBUG=1 (a job of its own).
 """
-import subprocess
 import zlib
 
 import numpy as np
@@ -17,7 +16,7 @@ import mpicomm
 from mpicomm import CollectiveMismatchError, ReduceOp
 from mpicomm._backends import shm as _shm
 
-from conftest import clean_mpi_env, mpirun_argv, shm_groups
+from conftest import clean_mpi_env, mpirun_argv, run_job, shm_groups
 from conftest import shm_of as impl
 
 THRESHOLD = 512
@@ -160,7 +159,7 @@ def test_truncation_becomes_mismatch_error(tmp_path):
     script.write_text(TRUNC)
     env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TRACE_DIR": str(tmp_path),
                          "MPICOMM_SHM_THRESHOLD": "off"})
-    p = subprocess.run(mpirun_argv(2, str(script)), env=env, capture_output=True, text=True, timeout=120)
+    p, _ = run_job(mpirun_argv(2, str(script)), env, 120)
     out = p.stdout
     root = next(ln for ln in out.splitlines() if ln.startswith("rank 0:"))
     assert root == "rank 0: ok" or root.startswith("rank 0: CollectiveMismatchError: broadcast sequence 1"), \

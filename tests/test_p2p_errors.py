@@ -16,7 +16,6 @@ complete (and completes one whose send comes late).
 """
 import os
 import re
-import signal
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 import mpicomm
-from conftest import ROOT, clean_mpi_env, mpirun_argv, rank_rng
+from conftest import ROOT, clean_mpi_env, mpirun_argv, rank_rng, run_job
 
 TIMEOUT = 3   # MPICOMM_TIMEOUT of the serial tests' jobs, seconds
 DTYPES = [np.float64, np.int32, np.float32, np.int8]
@@ -264,23 +263,16 @@ def job(n, mode, env=None, limit=TIMEOUT + 60):
     argv = mpirun_argv(n, os.path.abspath(__file__), mode, token)
     traces = tempfile.mkdtemp(prefix="mpicomm-p2perr-")   # flight records and stacks of a report
     e = clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT), "MPICOMM_TRACE_DIR": traces, **(env or {})})
-    t0 = time.monotonic()
     try:
-        with subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              errors="replace", start_new_session=True, cwd=ROOT) as proc:
-            try:
-                out, err = proc.communicate(timeout=limit)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                raise AssertionError(f"the job ran past {limit} s: {err[-3000:]}") from None
+        p, took = run_job(argv, e, limit, cwd=ROOT)
+    except subprocess.TimeoutExpired as ex:
+        raise AssertionError(f"the job ran past {limit} s: {ex.stderr[-3000:]}") from None
     finally:
         shutil.rmtree(traces, ignore_errors=True)
-    took = time.monotonic() - t0
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"processes left behind: {left.stdout}"
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err), took
+    return p, took
 
 
 def report(p, rank, kind="CollectiveTimeoutError"):

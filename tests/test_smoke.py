@@ -1,11 +1,10 @@
 """mpicomm-smoke: its closed-form expectations, and real runs under mpirun at 1, 2 and 4
 ranks, including the checker's self-test (a deliberately corrupted collective)."""
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import clean_mpi_env, mpirun_argv
+from conftest import clean_mpi_env, mpirun_argv, run_job
 from launch_support import have_mpirun, spawns_mpirun
 from mpicomm.tools import smoke
 
@@ -103,9 +102,8 @@ def test_failures_are_merged_per_case_with_the_ranks_that_disagreed():
 # ---------------------------------------------------------------- real runs
 
 def _run_smoke(n, extra_env=None, *args):
-    proc = subprocess.run(mpirun_argv(n, "-m", "mpicomm.tools.smoke", "--quick", *args),
-                          env=clean_mpi_env(extra_env), capture_output=True, text=True,
-                          errors="replace", timeout=TIMEOUT)
+    proc, _ = run_job(mpirun_argv(n, "-m", "mpicomm.tools.smoke", "--quick", *args), clean_mpi_env(extra_env),
+                      TIMEOUT)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -3,17 +3,16 @@ mpicomm.init(), the digits example, the DDP benchmark's CPU smoke run and its JS
 import json
 import os
 import re
-import subprocess
 
 import pytest
-from conftest import ROOT, clean_mpi_env, mpirun_argv
+from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 
 pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
 
 
 def _run(args, timeout=300):
     env = clean_mpi_env(dict(MPICOMM_BACKEND="mpi"))
-    return subprocess.run(mpirun_argv(2, *args), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_job(mpirun_argv(2, *args), env, timeout, cwd=ROOT)[0]
 
 
 INIT_ONLY = """

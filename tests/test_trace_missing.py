@@ -10,16 +10,13 @@ The first test starts its own mpirun (3 ranks; rank 2 skips the third all_reduce
 tests/test_faults.py does; the others run mpicomm-trace on made-up files.
 """
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import clean_mpi_env, mpirun_argv
+from conftest import clean_mpi_env, mpirun_argv, run_job
 
 TIMEOUT = 5   # seconds, init(timeout=...) of the job
 
@@ -45,17 +42,7 @@ print(f"RESULT rank={{r}} finished", flush=True)
 
 def _run(n, script, env, limit):
     argv = mpirun_argv(n, script)
-    t0 = time.monotonic()
-    # a session of its own: a job past the limit is killed whole (mpirun and every rank)
-    with subprocess.Popen(argv, env=clean_mpi_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, errors="replace", start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(argv, limit, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err), time.monotonic() - t0
+    return run_job(argv, clean_mpi_env(env), limit)
 
 
 def _table(text, group):

@@ -4,12 +4,11 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, clean_mpi_env, mpirun_argv
+from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 
 import mpicomm
 from mpicomm import InvalidArgumentError
@@ -106,8 +105,7 @@ def _run(args, extra_env=None, timeout=180):
     env.pop("DATA_PATH", None)
     if extra_env and "DATA_PATH" in extra_env:
         env["DATA_PATH"] = extra_env["DATA_PATH"]
-    p = subprocess.run(mpirun_argv(2, SCRIPT, *args), env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT)
+    p, _ = run_job(mpirun_argv(2, SCRIPT, *args), env, timeout, cwd=ROOT)
     return p
 
 
