@@ -35,7 +35,8 @@ from ._backends.base import IN_PLACE, NEVER, NEW, Prepared, _dropped as _DROPPED
 from ._callspec import plain_spec, spec_of
 from ._dispatch_checks import AgreementPaths
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
-from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, P2P, P2P_GH, P2P_TAG, calls_base, ghash, p2p_word
+from ._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_POISON, AT_RAISED, HMASK, HMUL, P2P, P2P_GH, P2P_TAG,
+                                   calls_base, checkpoint, ghash, p2p_word)
 from ._arrays import is_gpu_array, is_torch
 from . import _native
 from .errors import CollectiveMismatchError, CommunicationError, invalid
@@ -129,6 +130,9 @@ class Dispatcher(AgreementPaths):
         m[b] = v
         w = seq << 32 | p.sig
         m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
+        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK   # the group's history
+        if not seq & 255:
+            checkpoint(m, b, seq, h)
         sh = self.shr
         if sh is not None:
             sh[self.shb + (seq & 7)] = w
@@ -202,6 +206,9 @@ class Dispatcher(AgreementPaths):
                     known[key] = p
             w = seq << 32 | p.sig
             m[self.cb + (seq & 255)] = w
+            h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK
+            if not seq & 255:
+                checkpoint(m, b, seq, h)
             sh = self.shr
             if sh is not None:
                 sh[self.shb + (seq & 7)] = w
@@ -281,6 +288,9 @@ class Dispatcher(AgreementPaths):
         m[b] = v
         w = seq << 32 | plain_spec(code).sig
         m[self.cb + (seq & 255)] = w
+        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK
+        if not seq & 255:
+            checkpoint(m, b, seq, h)
         if self.shr is not None:
             self.shr[self.shb + (seq & 7)] = w
         if self.fr is not None:
@@ -388,7 +398,8 @@ Dispatcher.py_call = Dispatcher.call   # the Python call path, under a name that
 if _native.callpath is not None:
     # the compiled call path (mpicomm/_native): ``call``'s common case in C, handing anything
     # else to the Python above
-    Dispatcher.call = _native.callpath.install(Dispatcher, Prepared, _DROPPED, complete_dropped, AT_DONE, AT_POISON)
+    Dispatcher.call = _native.callpath.install(Dispatcher, Prepared, _DROPPED, complete_dropped, AT_DONE, AT_POISON,
+                                               AT_HIST, AT_CKPT)
 
 
 def _gpu_event(d, word, x, stream):

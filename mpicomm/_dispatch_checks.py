@@ -15,7 +15,7 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
-from ._reliability.progress import AT_DONE, AT_POISON, AT_RAISED, ENTERED, REPORTED
+from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, ENTERED, EPOCH, REPORTED
 from .errors import CollectiveMismatchError
 
 SPEC_WAIT = 2.0   # s a refusing rank waits for the specs of members that took part (stand-in)
@@ -93,6 +93,12 @@ class AgreementPaths:
         if seq > self.raised:
             self.raised = seq
             self.mem[self.row - ENTERED + REPORTED] = seq
+        # the history compared across hosts starts again after the call this rank raises in
+        # (every member raises in the same call: the refusal protocol keeps their counts alike)
+        m, b = self.mem, self.row
+        if m[b - ENTERED + EPOCH] != self.seq:
+            m[b + AT_HIST] = 0
+            m[b - ENTERED + EPOCH] = self.seq
 
     def _after(self, seq, entered):
         """Bookkeeping once this rank has raised for call ``seq``: a fresh communicator is due
@@ -224,7 +230,7 @@ class AgreementPaths:
             # this rank's own resync marker, a report about a call that raised here, or one
             # about this very call (this rank refuses it too): no news. A report about an
             # earlier call that returned here stays for the next call.
-            if (who == self.group.ranks[self.group.rank] or k <= self.raised or k == seq) and m[b + AT_POISON] == word:
+            if (k <= self.raised or k == seq) and m[b + AT_POISON] == word:
                 m[b + AT_POISON] = 0
         self.refuse(seq, code, e, None)
 
@@ -277,7 +283,7 @@ class AgreementPaths:
         ``call``: the call's (x, out, arg, async_op, stream), checked here when the report is
         about this very call, so that a rank whose own arguments are refused raises its own
         error (ranks that all refuse alike each raise theirs)."""
-        from ._reliability.agreement import poison_fields
+        from ._reliability.agreement import ACROSS, poison_fields, report_of
 
         m, b = self.mem, self.row
         if self.resync:   # first of all: the fresh communicator every member makes at its next call
@@ -285,17 +291,18 @@ class AgreementPaths:
             self.rel.resync(self.group)
         word = m[b + AT_POISON]
         k, who = poison_fields(word)
-        me = self.group.ranks[self.group.rank]
-        if who == me or k <= self.raised:
+        # a word about a call this rank raised for: its own resync marker (_after), or a report
+        # it has raised already. (A report across hosts may name this rank: its watchdog's.)
+        if k <= self.raised:
             if m[b + AT_POISON] == word:
                 m[b + AT_POISON] = 0
             return
-        if k > seq:      # a member is ahead: this rank refuses that call when it gets there
-            return
+        if k > seq or (k == seq and word & ACROSS):   # a member is ahead: this rank refuses that
+            return   # call when it gets there; a report across hosts is raised after call k returns
         if m[b + AT_POISON] == word:
             m[b + AT_POISON] = 0
         if k == seq:     # before taking part: refuse it too
-            reason = self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
+            reason = report_of(self.rel.progress, word) or f"rank {who} reported a disagreement in call {k}"
             m[b] = seq << 4 | code
             own = None
             if call is not None:
@@ -316,16 +323,20 @@ class AgreementPaths:
         m[b] = seq << 4 | code
         m[b + AT_RAISED] = m[b]
         late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
-                f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]")
-        err = _peer_error((self.rel.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}")
+                f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]") \
+            if not word & ACROSS else f" [{self._me()} was past call {k}, after which the others raise this]"
+        err = _peer_error((report_of(self.rel.progress, word) or f"rank {who} reported a disagreement in call {k}")
                           + late)
         try:   # refused at once: members already inside call seq are stood in for without delay
             self.refuse(seq, code, err, None)
         finally:   # the reporter's final words and decision (it may still be describing)
-            reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-            self._after(k, bool(resync))
-            if reason:
-                err.args = (reason + late,)
+            if word & ACROSS:   # decided (no fresh communicator), its words read above
+                self._after(k, False)
+            else:
+                reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+                self._after(k, bool(resync))
+                if reason:
+                    err.args = (reason + late,)
 
     def told(self, seq, j):
         """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
@@ -340,17 +351,21 @@ class AgreementPaths:
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
     def poisoned_after(self, seq, code):
-        """After call ``seq`` returned: a member's report about it arrived."""
-        from ._reliability.agreement import poison_fields
+        """After call ``seq`` returned: a member's report about it arrived, or the report across
+        hosts that every rank raises after this call."""
+        from ._reliability.agreement import ACROSS, poison_fields, report_of
 
         m, b = self.mem, self.row
         word = m[b + AT_POISON]
         k, who = poison_fields(word)
-        me = self.group.ranks[self.group.rank]
-        if who == me or k <= self.raised or k > seq:
-            return
+        if k <= self.raised or k > seq or (word & ACROSS and k < seq):   # (a report across hosts
+            return   # that came too late for call k: raised in the next call, refusing it)
         m[b + AT_POISON] = 0
         m[b + AT_DONE] = seq << 4 | code
+        if word & ACROSS:   # every member made call k as usual: the group needs nothing more
+            self._raised_here(k)
+            raise _peer_error((report_of(self.rel.progress, word) or f"rank {who} found that calls differ between "
+                               "hosts") + f" [raised after call {k}, on every rank of the group]")
         self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         self._after(k, bool(resync))

@@ -22,7 +22,8 @@ from mpicomm import InvalidArgumentError, ReduceOp
 from mpicomm import _native
 from mpicomm._dispatch import Dispatcher
 from mpicomm._ops import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER
-from mpicomm._reliability.progress import AT_DONE, AT_RAISED
+from mpicomm._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_RAISED, CK_LEVELS, CK_N, CK_SHIFT, CK_STEP,
+                                           calls_base)
 from launch_support import STRICT, require
 from test_collectives import data, reduce_np
 
@@ -94,6 +95,39 @@ def test_every_call_numbered_published_and_recorded(comm, path, request):
             np.testing.assert_array_equal(got, want)
             if o is not None:
                 assert got is o
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("path", PATHS)
+def test_history_of_calls_and_its_checkpoints(comm, path, request):
+    """Each call folds its ring word into the group's running hash (word by word as written
+    out here), alike on every rank; at the calls that are multiples of 256 (4096, 65536) the
+    hash is recorded with the call's number."""
+    g, d, call = caller(path)
+    n, r = g.size, g.rank
+    m, row, cb = d.mem, d.row, calls_base(d.row)
+    x = data(r, request.node.name, (3,), "float64")
+    ring_at = {}
+    for i in range(300):   # crosses a multiple of 256 (the suite's calls so far are any number)
+        h0 = m[row + AT_HIST]
+        call(ALL_REDUCE, x, None, ReduceOp.SUM, False, None) if i % 3 else \
+            call(BROADCAST, x.copy(), None, i % n, False, None)
+        seq = d.seq
+        w = m[cb + (seq & 255)]
+        assert w >> 32 == seq
+        h = (h0 * 16777619 ^ w) % (1 << 32)   # (FNV-1's 32-bit step)
+        assert m[row + AT_HIST] == h, (i, seq)
+        ring_at[seq] = h
+    hit = [s for s in ring_at if s % (1 << CK_SHIFT) == 0]
+    assert hit
+    for s in hit:
+        for lv in range(CK_LEVELS):
+            if s % (1 << (CK_SHIFT + CK_STEP * lv)):
+                break
+            i = row + AT_CKPT + 2 * (lv * CK_N + (s >> (CK_SHIFT + CK_STEP * lv)) % CK_N)
+            assert (m[i], m[i + 1]) == (s, ring_at[s])
+    hs = mpicomm.all_gather_object((d.seq, m[row + AT_HIST]))
+    assert hs == [hs[0]] * n   # the same calls: the same history on every rank
 
 
 @pytest.mark.mpi

@@ -18,7 +18,8 @@
 
 static PyMethodDef module_methods[] = {
     {"install", install, METH_VARARGS,
-     "install(Dispatcher, Prepared, dropped, complete_dropped, AT_DONE, AT_POISON) -> the compiled call method "
+     "install(Dispatcher, Prepared, dropped, complete_dropped, AT_DONE, AT_POISON, AT_HIST, AT_CKPT) -> the compiled "
+     "call method "
      "(a method descriptor of Dispatcher)"},
     {NULL, NULL, 0, NULL}};
 

@@ -17,7 +17,7 @@ static Py_ssize_t off_key, off_sig, off_run; /* its slots */
 #define PSLOT(p, o) (*(PyObject **)((char *)(p) + (o)))
 static PyObject *dropped = NULL;            /* mpicomm._backends.base._dropped (a list) */
 static PyObject *complete_dropped = NULL;   /* mpicomm._backends.base.complete_dropped */
-static Py_ssize_t at_done = 0, at_poison = 0;
+static Py_ssize_t at_done = 0, at_poison = 0, at_hist = 0, at_ckpt = 0, ck_end = 0;
 static int configured = 0;
 
 static PyObject *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned, *s_poisoned_after, *s_differs,
@@ -150,6 +150,23 @@ typedef struct {
     int64_t *sh;    /* the host-shared ring segment, or NULL */
 } Call;
 
+/* the group's history of calls (progress.py: HIST, CKPT, checkpoint()): a running hash of the
+ * ring words, and at the calls that are multiples of 1 << CK_SHIFT its checkpoints */
+static void history(int64_t *row, long long seq, int64_t w)
+{
+    int64_t h = (int64_t)(((uint64_t)load(row + at_hist) * HIST_MUL ^ (uint64_t)w) & HIST_MASK);
+    store(row + at_hist, h);
+    for (int lv = 0; lv < CK_LEVELS; lv++) {
+        int s = CK_SHIFT + CK_STEP * lv;
+        if (seq & ((1LL << s) - 1))
+            return;
+        int64_t *e = row + at_ckpt + 2 * (lv * CK_N + ((seq >> s) & (CK_N - 1)));
+        store(e, 0);
+        store(e + 1, h);
+        store(e, (int64_t)seq);
+    }
+}
+
 static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, long long sig, PyObject **seqo)
 {
     PyObject *code = args[0], *t;
@@ -168,7 +185,8 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
         if (t == NULL)
             return -1;
         Py_DECREF(t);
-        if (!(c->m = words(SLOT(self, S_MEM), &nm)) || c->b + at_poison >= nm || c->cb + 256 > nm) {
+        if (!(c->m = words(SLOT(self, S_MEM), &nm)) || c->b + at_poison >= nm || c->b + ck_end >= nm
+            || c->cb + 256 > nm) {
             PyErr_SetString(PyExc_ValueError, "mpicomm: the group's progress words are gone");
             return -1;
         }
@@ -176,6 +194,7 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
     store(c->m + c->b, c->v);
     c->w = (int64_t)(c->seq << 32 | sig);
     store(c->m + c->cb + (c->seq & 255), c->w);   /* the ring of calls (mpicomm._reliability.progress) */
+    history(c->m + c->b, c->seq, c->w);
     long long shb = 0, fmask;
     Py_ssize_t nsh = 0;
     PyObject *sho = SLOT(self, S_SHR);
@@ -283,7 +302,8 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
     c.m = words(last ? SLOT(self, S_MEM) : NULL, &nm);
     if (last == NULL || !PyList_CheckExact(last) || as_ll(args[0], &code) || code < 0 || code >= PyList_GET_SIZE(last)
         || c.m == NULL || as_ll(SLOT(self, S_ROW), &c.b) || as_ll(SLOT(self, S_CB), &c.cb)
-        || as_ll(SLOT(self, S_SEQ), &c.seq) || c.b < 0 || c.b + at_done >= nm || c.b + at_poison >= nm || c.cb < 0
+        || as_ll(SLOT(self, S_SEQ), &c.seq) || c.b < 0 || c.b + at_done >= nm || c.b + at_poison >= nm
+        || c.b + ck_end >= nm || c.cb < 0
         || c.cb + 256 > nm)
         return py_call(self, args);
     PyObject *p = PyList_GET_ITEM(last, code);
@@ -344,13 +364,14 @@ static Py_ssize_t slot_offset(PyObject *cls, const char *name)
     return o;
 }
 
-/* install(Dispatcher, Prepared, dropped, complete_dropped, at_done, at_poison) -> the method descriptor */
+/* install(Dispatcher, Prepared, dropped, complete_dropped, at_done, at_poison, at_hist, at_ckpt) -> the
+ * method descriptor */
 PyObject *install(PyObject *mod, PyObject *args)
 {
     PyObject *cls, *pcls, *dl, *cd;
-    Py_ssize_t ad, ap;
-    if (!PyArg_ParseTuple(args, "O!O!O!Onn", &PyType_Type, &cls, &PyType_Type, &pcls, &PyList_Type, &dl, &cd,
-                          &ad, &ap))
+    Py_ssize_t ad, ap, ah, ac;
+    if (!PyArg_ParseTuple(args, "O!O!O!Onnnn", &PyType_Type, &cls, &PyType_Type, &pcls, &PyList_Type, &dl, &cd,
+                          &ad, &ap, &ah, &ac))
         return NULL;
     if ((off_key = slot_offset(pcls, "key")) < 0 || (off_sig = slot_offset(pcls, "sig")) < 0
         || (off_run = slot_offset(pcls, "run")) < 0)
@@ -364,6 +385,9 @@ PyObject *install(PyObject *mod, PyObject *args)
     Py_XSETREF(complete_dropped, Py_NewRef(cd));
     at_done = ad;
     at_poison = ap;
+    at_hist = ah;
+    at_ckpt = ac;
+    ck_end = ac + 2 * CK_LEVELS * CK_N - 1;
     configured = 1;
     return PyDescr_NewMethod((PyTypeObject *)cls, &call_def);
 }

@@ -39,8 +39,8 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (CALLS_N, ENTERED, DONE, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ,
-                       F, HDR, calls_base)
+from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ,
+                       F, HDR, calls_base, checkpoints)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
 RING = F              # where a row read by read_row holds its ring of calls
@@ -55,13 +55,23 @@ XHOST_GROUPS = 8      # groups compared across hosts per round (two RMA reads ea
 XHOST_GIVE_UP = 5.0   # s after which such a read is abandoned (a peer that does not answer)
 
 
-def poison_word(seq, wrank):
-    return seq << 24 | (wrank + 1)
+ACROSS = 1 << 23     # in a POISON word: the report of a comparison across hosts (its text is in
+#                      the reporter's window, XREASON)
+
+
+def poison_word(seq, wrank, across=False):
+    return seq << 24 | (ACROSS if across else 0) | (wrank + 1)
 
 
 def poison_fields(word):
     """(sequence number, world rank) of a POISON word."""
-    return word >> 24, (word & 0xFFFFFF) - 1
+    return word >> 24, (word & (ACROSS - 1)) - 1
+
+
+def report_of(progress, word):
+    """The text of the report a POISON word is about (the reporter's words), or None."""
+    k, who = poison_fields(word)
+    return progress.reason_of(who, across=bool(word & ACROSS))
 
 
 class HostRings:
@@ -138,7 +148,9 @@ def attach(disp, rings, progress, comm, wrank):
     leaders = list(firsts.values())
     if len(leaders) > 1 and g.rank in leaders:
         j = leaders[(leaders.index(g.rank) + 1) % len(leaders)]
-        disp.xhost = (j, allv[j][0], allv[j][1])
+        # (group rank, world rank, row) of the next host's first member, and whether this rank
+        # tells the members of a difference (of two hosts, the first member of the lower rank)
+        disp.xhost = (j, allv[j][0], allv[j][1], len(leaders) > 2 or allv[g.rank][0] < allv[j][0])
     if not rings.views:
         return
     host = [i for i, v in enumerate(allv) if v[0] in rings.views]
@@ -162,7 +174,7 @@ def attach(disp, rings, progress, comm, wrank):
 def cross_host_start(progress, disp):
     """Start reading the next host's first member's row and ring of calls (two RMA reads,
     completed at the watchdog's later wakes: cross_host)."""
-    j, wr, slot = disp.xhost
+    j, wr, slot, _ = disp.xhost
     r1 = progress.start_read(wr, slot, F)
     r2 = progress.start_read(wr, calls_base(slot + ENTERED), CALLS_N)
     return None if r1 is None or r2 is None else (r1, r2)
@@ -172,8 +184,11 @@ def cross_host(progress, disp, b, row, theirs):
     """Compare this rank's ring of calls for its group (row ENTERED index ``b``) with the
     next host's first member's (its ``row`` and ring ``theirs``, read by cross_host_start):
     every call both rings hold, but those refused or raised for on either rank (REPORTED)
-    and while either rank has a member's report (POISON) to take in. Returns None when they
-    agree, else (the first call that differs, this rank's word, theirs)."""
+    and while either rank has a member's report (POISON) to take in; then the histories of
+    every call (HIST's checkpoints, since the same EPOCH), which also cover the calls that have
+    left the rings. Returns None when they agree, else (the first call that differs, this
+    rank's word, theirs, None), or for histories (the first checkpoint that differs, this
+    rank's hash, theirs, the last call where they agreed)."""
     m = progress.m
     base = b - ENTERED
     if m[base + POISON] or int(row[GHASH]) != int(m[base + GHASH]) or int(row[MEMBERS]) != int(m[base + MEMBERS]) \
@@ -187,8 +202,21 @@ def cross_host(progress, disp, b, row, theirs):
         if a != t and a and a >> 32 == t >> 32 and a >> 32 > done \
                 and a & 0xFFFFFFFF != REFUSED and t & 0xFFFFFFFF != REFUSED:
             if first is None or a >> 32 < first[0]:
-                first = (a >> 32, a, t)
-    return first
+                first = (a >> 32, a, t, None)
+    if first is not None:
+        return first
+    epoch = int(m[base + EPOCH])
+    if epoch != int(row[EPOCH]):   # one of them raised in another call: not comparable
+        return None
+    mine_ck, theirs_ck = checkpoints(m, base), checkpoints(row, 0)
+    agreed = max(epoch, done)
+    for seq in sorted(set(mine_ck) & set(theirs_ck)):
+        if seq <= max(epoch, done):
+            continue
+        if mine_ck[seq] != theirs_ck[seq]:
+            return seq, mine_ck[seq], theirs_ck[seq], agreed
+        agreed = seq
+    return None
 
 
 def read_row(progress, wrank, slot):

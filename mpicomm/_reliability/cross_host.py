@@ -3,16 +3,20 @@
 Ranks of one host compare their calls through shared memory (mpicomm._reliability.agreement);
 across hosts, the first member of a group on each host compares the group's history with
 the next host's first member's, by RMA reads started at one wake of the watchdog and
-completed at a later one. :class:`CrossHostCheck` is a part of
+completed at a later one. A difference is told to every member of the group as a report
+(POISON, as a rank that finds a disagreement on its host does): each raises it at its next
+call of the group, and the group goes on. At exit, a report that this rank has not raised
+yet (no call came) ends the job. :class:`CrossHostCheck` is a part of
 mpicomm._reliability.watchdog.Watchdog: its state is the watchdog's ``_xnext``, ``_xseen``,
-``_xturn``, ``_xspec`` and ``_xread``; it ends the job through the watchdog's ``_report``.
+``_xturn``, ``_xspec``, ``_xread`` and ``_xtold``; it ends the job through the watchdog's
+``_report``.
 """
 from __future__ import annotations
 
 import time
 
 from . import agreement as agr
-from .progress import F
+from .progress import ENTERED, POISON, F
 
 
 class CrossHostCheck:
@@ -24,6 +28,14 @@ class CrossHostCheck:
         XHOST_GIVE_UP s."""
         if self.fired:
             return
+        for b, (g, first, msg) in list(self._xtold.items()):   # told, but no call came to raise it in
+            disp = getattr(g, "disp", None)
+            if disp is not None and disp.raised < first and not self.fired:
+                self.fired = True
+                self.lagging = []
+                self._report(msg + ". This rank made no call of the group after the report; the job ends",
+                             False, g.ranks, kind="CollectiveMismatchError")
+                return
         reads = {}   # (not the watchdog thread's: it may still be running)
         try:
             self._cross_hosts(time.monotonic(), final=True, reads=reads)   # starts the reads
@@ -50,6 +62,9 @@ class CrossHostCheck:
         if reads is None:
             reads = self._xread
         for g, b, disp in todo:
+            if not final:   # (this rank's pace of calls on the group, from the last round: _raise_after)
+                last = self._xrate.get(b)
+                self._xrate[b] = (now, disp.seq, last[:2] if last is not None else None)
             pend = reads.get(b)
             if pend is None or pend[0] != disp.xhost:   # start the reads; compared at a later wake
                 if start:
@@ -70,27 +85,34 @@ class CrossHostCheck:
                 self._xseen.pop(b, None)
                 self._xspec.pop(b, None)
                 continue
-            first = found[0]
-            if self._xseen.get(b, (None,))[0] != first:
+            first = found[0] if found[3] is None else "history"   # (a history's first checkpoint
+            if self._xseen.get(b, (None,))[0] != first:           # that differs moves on with the calls)
                 self._xseen[b] = (first, now)
-                sp = disp.spec_for(first)
+                sp = disp.spec_for(first) if found[3] is None else None
                 self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
                 if sp is not None:    # for the other host's report
                     agr.publish_spec(self.progress.m, b, first, sp)
             if now - self._xseen[b][1] < agr.XHOST_PERIOD and not final:
                 continue   # a member's report may still be on its way
-            return self._fire_cross(g, b, disp, *found)
+            if final:
+                return self._fire_cross(g, b, disp, *found)
+            self._tell_cross(g, b, disp, *found)
         return False
 
-    def _fire_cross(self, g, b, disp, first, mine_w, theirs_w):
+    def _describe_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
+        """The report of call ``first`` that differs between this rank and the next host's
+        first member (both calls described, waiting up to 2 s for the other one's words), or
+        with ``since``, of their histories of the calls after ``since`` up to ``first``."""
         from .._callspec import PeerSpec
 
-        with self._lock:
-            if self.fired:
-                return True
-            self.fired = True
-        j, wr, slot = disp.xhost
+        j, wr, slot, _ = disp.xhost
         me = self.progress.wrank
+        if since is not None:
+            return (f"calls {since + 1} to {first} on group {g.name!r}: the ranks on two hosts called differently "
+                    f"in at least one of them: rank {me}'s history of those calls (a hash of their signatures) "
+                    f"differs from rank {wr}'s; which call differs is not known (more than 256 calls between two "
+                    "comparisons; MPICOMM_DEBUG=1 names it). The calls returned, so their results differ; every "
+                    "rank must make the same call")
         me_spec = self._xspec.get(b) or disp.spec_for(first)
         if me_spec is not None:
             agr.publish_spec(self.progress.m, b, first, me_spec)
@@ -108,9 +130,55 @@ class CrossHostCheck:
         name = me_spec.name if me_spec is not None else "call"
         why = (f"{name} sequence {first} on group {g.name!r}: the ranks on two hosts called differently: "
                f"rank {me}: {mine}; rank {wr}: {other}{what}")
-        msg = (f"rank {me}: {why}. The calls returned on both hosts, so their results differ between "
-               "them; every rank must make the same call (collective, dtype, element count, op, root, "
-               "sizes). The job ends: ranks on different hosts are compared after their calls")
+        return (f"{why}. Both calls returned (ranks on different hosts are compared after their calls), "
+                "so their results differ; every rank must make the same call")
+
+    def _tell_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
+        """Tell every member of the group (this rank too) of the difference: the report in
+        each member's window and POISON in its row, so that each raises it at its next call of
+        the group (mpicomm._dispatch_checks: ``poisoned``), and the group goes on."""
+        p = self.progress
+        me = p.wrank
+        if not disp.xhost[3]:   # (two hosts: the other first member, of the lower rank, tells)
+            return
+        msg = self._describe_cross(g, b, disp, first, mine_w, theirs_w, since)
+        with self._lock:
+            if self.fired or self._told_here(b):   # (another host's first member told it first)
+                return
+            self._xtold[b] = (g, first, f"rank {me}: {msg}")
+            p.set_reason(f"rank {me} (comparing with rank {disp.xhost[1]}): {msg}", across=True)
+        # the words: the report is in this rank's window (ACROSS); no fresh communicator
+        # follows (the calls returned on every rank: their bytes matched). Only where no
+        # report waits: a member that has one raises in the same call as the others (the
+        # member that raised first refused its next call and told every member of that).
+        word = agr.poison_word(self._raise_after(b, disp), me, across=True)
+        for j, wr in enumerate(g.ranks):
+            p.put_if_zero(wr, agr.poison_index(disp.slots[j]), word)
+
+    def _raise_after(self, b, disp):
+        """The call after which every member raises a report told now: this rank's next calls
+        for about half a second at its present pace (at least 16), so that the report reaches
+        every member before the call, and they all raise it after the same call, which
+        every one of them makes as usual (no call of the group is refused or left unmatched)."""
+        seq = disp.seq
+        last = self._xrate.get(b)
+        last = last[2] if last is not None else None
+        rate = (seq - last[1]) / max(time.monotonic() - last[0], 0.05) if last is not None else 0
+        return seq + max(16, int(rate * 0.5))
+
+    def _told_here(self, b):
+        """A report across hosts waits in this rank's row (group row ``b``) already."""
+        w = int(self.progress.m[b - ENTERED + POISON])
+        return bool(w & agr.ACROSS) and agr.poison_fields(w)[1] != self.progress.wrank
+
+    def _fire_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
+        """At exit (no call is left to raise it in): end the job with the report."""
+        with self._lock:
+            if self.fired:
+                return True
+            self.fired = True
+        msg = self._describe_cross(g, b, disp, first, mine_w, theirs_w, since)
         self.lagging = []
-        self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
+        self._report(f"rank {self.progress.wrank}: {msg}. The job ends: the difference was found as this "
+                     "rank left", False, g.ranks, kind="CollectiveMismatchError")
         return True

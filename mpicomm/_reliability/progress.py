@@ -37,7 +37,9 @@ REPLAYS = 8
 REASON_LEN = 9
 REASON = 10
 REASON_WORDS = 64
-HDR = REASON + REASON_WORDS
+XREASON_LEN = REASON + REASON_WORDS    # the last report of the comparison across hosts that this
+XREASON = XREASON_LEN + 1              # rank told its group's members (the same layout)
+HDR = XREASON + REASON_WORDS
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
 # while they differ. The completion time is stamped by the watchdog, not the hot path.
@@ -52,7 +54,19 @@ ROWS = 256         # groups published per rank (the last row is a shared, unpubl
 SPEC = 8
 SPEC_N = 7
 REPORTED = SPEC + SPEC_N   # the last call this rank raised a disagreement or refusal for
-F = REPORTED + 1
+# The group's history of calls, for the comparison across hosts at any call rate: HIST is a
+# running hash of every call's ring word since the call EPOCH (the call in which this rank
+# last raised a disagreement or refusal: there it starts again from 0, at the same call on
+# every rank); CKPT holds checkpoints of it, CK_LEVELS levels of CK_N (call, hash) pairs, level
+# L at the calls that are multiples of 1 << (CK_SHIFT + CK_STEP * L). One multiply-add and
+# one store per call; a checkpoint's stores once in 256 calls.
+HIST = REPORTED + 1
+EPOCH = HIST + 1
+CKPT = EPOCH + 1
+CK_LEVELS, CK_N, CK_SHIFT, CK_STEP = 3, 4, 8, 4
+HMUL = 16777619             # h = (h * HMUL ^ word) & HMASK: FNV-1's 32-bit step over the
+HMASK = 0xFFFFFFFF          # signature (the word's low half); its order counts
+F = CKPT + CK_LEVELS * CK_N * 2
 WORDS = HDR + ROWS * F
 # After the rows: each row's ring of calls, CALLS_N words at calls_base(row): at
 # seq % CALLS_N, the word of the group's call seq (seq << 32 | its signature), or of its
@@ -71,6 +85,31 @@ def calls_base(row):
 # The dispatcher holds a row by the index of its ENTERED word and writes the row's other
 # words by their offset from it: mem[row + AT_DONE], ...
 AT_DONE, AT_RAISED, AT_POISON = DONE - ENTERED, RAISED - ENTERED, POISON - ENTERED
+AT_HIST, AT_CKPT = HIST - ENTERED, CKPT - ENTERED
+
+
+def checkpoint(m, b, seq, h):
+    """Record hash ``h`` of the history up to call ``seq`` (a multiple of 1 << CK_SHIFT) in
+    the row whose ENTERED word is at ``b``: the call after the hash, so that a reader never
+    takes an old hash for a new call's (the compiled path does the same: _native/dispatch.c)."""
+    for lv in range(CK_LEVELS):
+        s = CK_SHIFT + CK_STEP * lv
+        if seq & ((1 << s) - 1):
+            return
+        i = b + AT_CKPT + 2 * (lv * CK_N + ((seq >> s) & (CK_N - 1)))
+        m[i] = 0
+        m[i + 1] = h
+        m[i] = seq
+
+
+def checkpoints(words, base):
+    """{call: hash} of the checkpoints in the row at ``base`` (its first word) of ``words``."""
+    out = {}
+    for i in range(CK_LEVELS * CK_N):
+        seq = int(words[base + CKPT + 2 * i])
+        if seq:
+            out[seq] = int(words[base + CKPT + 2 * i + 1])
+    return out
 READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 
@@ -211,6 +250,26 @@ class Progress:
         except Exception:
             return
 
+    def put_if_zero(self, rank, index, value):
+        """Write ``value`` at word ``index`` of world ``rank``'s window where that word is 0
+        (an RMA compare-and-swap; without one, a read and then a put)."""
+        if rank == self.wrank:
+            if not self.m[index]:
+                self.m[index] = value
+            return
+        if self.win is None:
+            return
+        from mpi4py import MPI
+
+        new, zero, old = (np.array([v], np.int64) for v in (value, 0, 0))
+        try:
+            self.win.Compare_and_swap([new, MPI.INT64_T], [zero, MPI.INT64_T], [old, MPI.INT64_T], rank, index)
+            self.win.Flush(rank)
+        except Exception:
+            w = self.read_words(rank, index, 1)
+            if w is not None and not w[0]:
+                self.put_words(rank, index, [value])
+
     def read_words(self, rank, index, n):
         """``n`` int64 words at ``index`` of world ``rank``'s window (a copy), or None when it
         does not answer within READ_WAIT s."""
@@ -264,25 +323,29 @@ class Progress:
         self._late = [(r, b) for r, b in self._late if not _done(r)]
         self._late.append((q, buf))
 
-    def set_reason(self, text):
-        """Publish the text of this rank's last agreement report (truncated to fit)."""
+    def set_reason(self, text, across=False):
+        """Publish the text of this rank's last agreement report (truncated to fit); with
+        ``across``, of the last report of its comparison across hosts (a slot of its own: the
+        members read it while this rank may be reporting a refusal of its own)."""
         b = text.encode()[:REASON_WORDS * 8]
         raw = np.zeros(REASON_WORDS, np.int64)
         raw.view(np.uint8)[:len(b)] = np.frombuffer(b, np.uint8)
+        at = XREASON_LEN if across else REASON_LEN
         for i in range(REASON_WORDS):
-            self.m[REASON + i] = int(raw[i])
-        self.m[REASON_LEN] = len(b)
+            self.m[at + 1 + i] = int(raw[i])
+        self.m[at] = len(b)
 
     def set_decision(self, resync):
         """Publish, with the report, whether the group needs a fresh communicator."""
         self.m[REASON_LEN] = (self.m[REASON_LEN] & 0xFFFFFFFF) | 1 << 32 | (1 << 33 if resync else 0)
 
-    def reason_of(self, rank, decision=False, wait=None):
-        """World ``rank``'s last agreement report, or None; with ``decision``, the pair
-        (report, resync or None when not decided within ``wait`` s)."""
+    def reason_of(self, rank, decision=False, wait=None, across=False):
+        """World ``rank``'s last agreement report (``across``: of its comparison across
+        hosts), or None; with ``decision``, the pair (report, resync or None when not decided
+        within ``wait`` s)."""
         deadline = time.monotonic() + (wait or 0)
         while True:
-            w = self.read_words(rank, REASON_LEN, 1 + REASON_WORDS)
+            w = self.read_words(rank, XREASON_LEN if across else REASON_LEN, 1 + REASON_WORDS)
             n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
             text = w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
                 if w is not None and 0 < n <= REASON_WORDS * 8 else None

@@ -57,6 +57,8 @@ class Watchdog(Diagnosis, CrossHostCheck):
         self._xturn = 0                # where the next round of those comparisons starts
         self._xspec = {}               # row -> this rank's CallSpec of the first call that differs
         self._xread = {}               # row -> (partner, its reads in flight, started)
+        self._xtold = {}               # row -> (group, call, report) told to the members
+        self._xrate = {}               # row -> (time, sequence number, the same of the round before)
         self._replays = collections.deque()   # (event, count, when) of mpicomm.replay calls not known done
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
@@ -165,6 +167,8 @@ class Watchdog(Diagnosis, CrossHostCheck):
         if disp is None:
             return
         pw = m[base + POISON]
+        if pw & agr.ACROSS:   # (a report across hosts: its reporter has described it already)
+            pw = 0
         want = None
         if pw:
             k, who = agr.poison_fields(pw)
@@ -174,7 +178,9 @@ class Watchdog(Diagnosis, CrossHostCheck):
             w = m[disp.cb + (e >> 4) % agr.CALLS_N]   # the SPEC words keep the reported call's)
             if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
                 want = e >> 4
-        if want is None or m[base + SPECSEQ] == want or b in self._xseen:   # (keeps the cross-host report's)
+        # (while a difference across hosts is being described, its spec stays: unless a
+        # member's report asks for this rank's call)
+        if want is None or m[base + SPECSEQ] == want or (b in self._xseen and not pw):
             return
         sp = disp.spec_for(want)
         if sp is not None:
@@ -192,8 +198,11 @@ class Watchdog(Diagnosis, CrossHostCheck):
         pw = m[b - ENTERED + POISON]
         if pw:   # a report about an earlier call: the members will not come to this one
             k, who = agr.poison_fields(pw)
-            if who != self.progress.wrank and k < seq and waited >= agr.REFUSAL_WAIT:
-                why = self.progress.reason_of(who) or f"rank {who} reported a disagreement in call {k}"
+            # (this rank's own word is a report when it comes from the comparison across hosts;
+            # else it marks a fresh communicator due after this rank raised)
+            news = k > disp.raised if pw & agr.ACROSS else who != self.progress.wrank
+            if news and k < seq and waited >= agr.REFUSAL_WAIT:
+                why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
         if key in self._compared and key not in self._refused_seen:
