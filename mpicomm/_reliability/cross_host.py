@@ -4,9 +4,9 @@ Ranks of one host compare their calls through shared memory (mpicomm._reliabilit
 across hosts, the first member of a group on each host compares the group's history with
 the next host's first member's, by RMA reads started at one wake of the watchdog and
 completed at a later one. A difference is told to every member of the group as a report
-(POISON, as a rank that finds a disagreement on its host does): each raises it at its next
-call of the group, and the group goes on. At exit, a report that this rank has not raised
-yet (no call came) ends the job. :class:`CrossHostCheck` is a part of
+word (POISON, ACROSS) that names a call a little ahead: every member makes that call as
+usual and raises the report as it returns, and the group goes on. At exit, a report that
+this rank has not raised yet (no call came) ends the job. :class:`CrossHostCheck` is a part of
 mpicomm._reliability.watchdog.Watchdog: its state is the watchdog's ``_xnext``, ``_xseen``,
 ``_xturn``, ``_xspec``, ``_xread`` and ``_xtold``; it ends the job through the watchdog's
 ``_report``.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from . import agreement as agr
-from .progress import ENTERED, POISON, F
+from .progress import AT_POISON, ENTERED, POISON, F
 
 
 class CrossHostCheck:
@@ -28,7 +28,7 @@ class CrossHostCheck:
         XHOST_GIVE_UP s."""
         if self.fired:
             return
-        for b, (g, first, msg) in list(self._xtold.items()):   # told, but no call came to raise it in
+        for b, (g, first, msg, _) in list(self._xtold.items()):   # told, but no call came to raise it in
             disp = getattr(g, "disp", None)
             if disp is not None and disp.raised < first and not self.fired:
                 self.fired = True
@@ -135,25 +135,32 @@ class CrossHostCheck:
 
     def _tell_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
         """Tell every member of the group (this rank too) of the difference: the report in
-        each member's window and POISON in its row, so that each raises it at its next call of
-        the group (mpicomm._dispatch_checks: ``poisoned``), and the group goes on."""
+        this rank's window (XREASON) and a word in each member's row naming the call after
+        which every member raises it (mpicomm._dispatch_checks: ``poisoned_after``); the group
+        goes on."""
         p = self.progress
         me = p.wrank
-        if not disp.xhost[3]:   # (two hosts: the other first member, of the lower rank, tells)
-            return
+        told = self._xtold.get(b)
+        if not disp.xhost[3] or (told is not None and disp.raised < told[3]):
+            return   # (of two hosts, the other first member, of the lower rank, tells; told already)
         msg = self._describe_cross(g, b, disp, first, mine_w, theirs_w, since)
         with self._lock:
             if self.fired or self._told_here(b):   # (another host's first member told it first)
                 return
-            self._xtold[b] = (g, first, f"rank {me}: {msg}")
+            after = self._raise_after(b, disp)
+            self._xtold[b] = (g, first, f"rank {me}: {msg}", after)
             p.set_reason(f"rank {me} (comparing with rank {disp.xhost[1]}): {msg}", across=True)
-        # the words: the report is in this rank's window (ACROSS); no fresh communicator
-        # follows (the calls returned on every rank: their bytes matched). Only where no
-        # report waits: a member that has one raises in the same call as the others (the
-        # member that raised first refused its next call and told every member of that).
-        word = agr.poison_word(self._raise_after(b, disp), me, across=True)
+        # the words; no fresh communicator follows (the calls returned on every rank: their
+        # bytes matched). Only where no other report waits: a member with one raises that one
+        # in the same call as the others. Here, over this rank's own marker of a fresh start.
+        word = agr.poison_word(after, me, across=True)
         for j, wr in enumerate(g.ranks):
-            p.put_if_zero(wr, agr.poison_index(disp.slots[j]), word)
+            if wr == me:
+                w = int(p.m[b + AT_POISON])
+                if not w or (agr.poison_fields(w)[1] == me and agr.poison_fields(w)[0] <= disp.raised):
+                    p.m[b + AT_POISON] = word
+            else:
+                p.put_if_zero(wr, agr.poison_index(disp.slots[j]), word)
 
     def _raise_after(self, b, disp):
         """The call after which every member raises a report told now: this rank's next calls
