@@ -37,7 +37,8 @@ class AgreementPaths:
         return f"rank {wr}" if g.name == "world" else f"rank {wr} (rank {g.rank} of group {g.name!r})"
 
     def spec_for(self, seq):
-        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call)."""
+        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call,
+        else, while its ring word is kept, a prepared call of the same signature)."""
         fr = self.fr
         if fr is not None:
             e = fr[seq & self.fmask]
@@ -53,6 +54,11 @@ class AgreementPaths:
             p = self.last[e & 15]
             if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
+        if w >> 32 == seq:   # (the watchdog's thread too: the copies are taken at once)
+            sig = w & 0xFFFFFFFF
+            for p in (*tuple(self.last), *list(self.known.values())):
+                if p is not NEVER and getattr(p, "sig", None) == sig and getattr(p, "spec", None) is not None:
+                    return p.spec
         return None
 
     def _members(self):
