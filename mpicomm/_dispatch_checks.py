@@ -37,8 +37,7 @@ class AgreementPaths:
         return f"rank {wr}" if g.name == "world" else f"rank {wr} (rank {g.rank} of group {g.name!r})"
 
     def spec_for(self, seq):
-        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call,
-        else, while its ring word is kept, a prepared call of the same signature)."""
+        """The CallSpec of this rank's call ``seq`` (from the flight ring, else the last call)."""
         fr = self.fr
         if fr is not None:
             e = fr[seq & self.fmask]
@@ -54,11 +53,20 @@ class AgreementPaths:
             p = self.last[e & 15]
             if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
-        if w >> 32 == seq:   # (the watchdog's thread too: the copies are taken at once)
-            sig = w & 0xFFFFFFFF
-            for p in (*tuple(self.last), *list(self.known.values())):
-                if p is not NEVER and getattr(p, "sig", None) == sig and getattr(p, "spec", None) is not None:
-                    return p.spec
+        return None
+
+    def spec_kept(self, seq):
+        """The CallSpec of this rank's call ``seq`` where ``spec_for`` has none (its flight
+        ring moved on) but its ring word is kept: a prepared call of the same signature's
+        (for the comparison across hosts, which describes calls found a second or more later;
+        the watchdog's thread: the copies are taken at once)."""
+        w = self.mem[self.cb + (seq & 255)]
+        if w >> 32 != seq:
+            return None
+        sig = w & 0xFFFFFFFF
+        for p in (*tuple(self.last), *list(self.known.values())):
+            if p is not NEVER and getattr(p, "sig", None) == sig and getattr(p, "spec", None) is not None:
+                return p.spec
         return None
 
     def _members(self):

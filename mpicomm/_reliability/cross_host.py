@@ -88,7 +88,7 @@ class CrossHostCheck:
             first = found[0] if found[3] is None else "history"   # (a history's first checkpoint
             if self._xseen.get(b, (None,))[0] != first:           # that differs moves on with the calls)
                 self._xseen[b] = (first, now)
-                sp = disp.spec_for(first) if found[3] is None else None
+                sp = (disp.spec_for(first) or disp.spec_kept(first)) if found[3] is None else None
                 self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
                 if sp is not None:    # for the other host's report
                     agr.publish_spec(self.progress.m, b, first, sp)
@@ -113,7 +113,7 @@ class CrossHostCheck:
                     f"differs from rank {wr}'s; which call differs is not known (more than 256 calls between two "
                     "comparisons; MPICOMM_DEBUG=1 names it). The calls returned, so their results differ; every "
                     "rank must make the same call")
-        me_spec = self._xspec.get(b) or disp.spec_for(first)
+        me_spec = self._xspec.get(b) or disp.spec_for(first) or disp.spec_kept(first)
         if me_spec is not None:
             agr.publish_spec(self.progress.m, b, first, me_spec)
         sw = None   # the other host's first member describes its call too (its watchdog)
