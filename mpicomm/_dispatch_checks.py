@@ -55,12 +55,13 @@ class AgreementPaths:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
         return None
 
-    def spec_kept(self, seq):
+    def spec_kept(self, seq, word=None):
         """The CallSpec of this rank's call ``seq`` where ``spec_for`` has none (its flight
-        ring moved on) but its ring word is kept: a prepared call of the same signature's
-        (for the comparison across hosts, which describes calls found a second or more later;
-        the watchdog's thread: the copies are taken at once)."""
-        w = self.mem[self.cb + (seq & 255)]
+        ring moved on) but its ring word is kept, or is given (``word``, as read by the
+        comparison across hosts, which describes calls found a second or more later): a
+        prepared call of the same signature's (the watchdog's thread: the copies are taken at
+        once)."""
+        w = self.mem[self.cb + (seq & 255)] if word is None else int(word)
         if w >> 32 != seq:
             return None
         sig = w & 0xFFFFFFFF

@@ -151,10 +151,15 @@ def test_two_host_job(tmp_path, cluster):
 
 
 CROSS_HOST = r'''
-import sys, time
+import os, sys, time
 import numpy as np
 import mpicomm
+import mpicomm._reliability.agreement as agreement
 
+slow = sys.argv[2] == "slow"
+if slow and os.environ.get("OMPI_COMM_WORLD_RANK") == "2":   # node2's first member compares
+    agreement.XHOST_EVERY = 4.0   # across hosts only every 4 s (a busy host): rank 0 finds the
+    #                               difference first and must wait for rank 2's description
 mpicomm.init(backend="mpi")
 r = mpicomm.get_rank()
 x = np.random.default_rng(r).standard_normal(4).astype(np.float32)
@@ -165,24 +170,25 @@ mpicomm.all_reduce(x.view(np.int32) if r >= 2 else x)
 print(f"rank {r}: returned", flush=True)
 for _ in range(int(sys.argv[1])):   # go on calling (0: leave at once)
     mpicomm.all_reduce(x)
-    time.sleep(0.01)
+    time.sleep(0.05 if slow else 0.01)
 print(f"rank {r}: done", flush=True)
 '''
 
 
 @spawns_mpirun
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("calls_after", [500, 0])
-def test_calls_that_differ_between_hosts_end_the_job(tmp_path, cluster, calls_after):
+@pytest.mark.parametrize("calls_after,peer", [(500, "fast"), (0, "fast"), (300, "slow")])
+def test_calls_that_differ_between_hosts_end_the_job(tmp_path, cluster, calls_after, peer):
     """Ranks on two hosts that agree within each host but not across (float32 on node1,
     int32 of the same bytes on node2): the watchdog's comparison across hosts tells every
     rank, which raises it at its next call (uncaught here: the job ends within seconds),
     naming both calls; also when the script leaves right after the call (the comparison at
-    exit ends the job)."""
+    exit ends the job), and when the other host's watchdog finds the difference seconds
+    later than rank 0's (its description of its call comes late: the report waits for it)."""
     script = tmp_path / "cross.py"
     script.write_text(CROSS_HOST)
     t0 = time.monotonic()
-    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script), str(calls_after)),
+    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script), str(calls_after), peer),
                      clean_mpi_env({"MPICOMM_TRACE_DIR": str(tmp_path)}), timeout=300)
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr

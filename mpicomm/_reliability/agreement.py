@@ -52,6 +52,7 @@ REFUSAL_WAIT = 3.0    # s a call waits on a refused peer before the watchdog end
 XHOST_EVERY = 0.25    # s between the watchdog's comparisons of calls across hosts
 XHOST_PERIOD = 1.0    # s a difference across hosts must last before it ends the job
 XHOST_GROUPS = 8      # groups compared across hosts per round (two RMA reads each)
+XHOST_DESCRIBE = 15.0  # s a difference across hosts waits at most for the other host's description
 XHOST_GIVE_UP = 5.0   # s after which such a read is abandoned (a peer that does not answer)
 
 

@@ -84,16 +84,24 @@ class CrossHostCheck:
             if found is None:
                 self._xseen.pop(b, None)
                 self._xspec.pop(b, None)
+                self._xpeer.pop(b, None)
                 continue
             first = found[0] if found[3] is None else "history"   # (a history's first checkpoint
             if self._xseen.get(b, (None,))[0] != first:           # that differs moves on with the calls)
                 self._xseen[b] = (first, now)
-                sp = (disp.spec_for(first) or disp.spec_kept(first)) if found[3] is None else None
+                self._xpeer.pop(b, None)
+                sp = (disp.spec_for(first) or disp.spec_kept(first, found[1])) if found[3] is None else None
                 self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
                 if sp is not None:    # for the other host's report
                     agr.publish_spec(self.progress.m, b, first, sp)
-            if now - self._xseen[b][1] < agr.XHOST_PERIOD and not final:
-                continue   # a member's report may still be on its way
+            if found[3] is None and b not in self._xpeer:   # the other host's description of its
+                sw = agr.spec_words(row, first)              # call, from the row read this round
+                if sw is not None:
+                    self._xpeer[b] = sw.copy()
+            waited = now - self._xseen[b][1]
+            if not final and (waited < agr.XHOST_PERIOD or (
+                    found[3] is None and b not in self._xpeer and waited < agr.XHOST_DESCRIBE)):
+                continue   # a member's report may still be on its way; the other host's words too
             if final:
                 return self._fire_cross(g, b, disp, *found)
             self._tell_cross(g, b, disp, *found)
@@ -101,7 +109,8 @@ class CrossHostCheck:
 
     def _describe_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
         """The report of call ``first`` that differs between this rank and the next host's
-        first member (both calls described, waiting up to 2 s for the other one's words), or
+        first member (both calls described: the other one's words as its row had them in a
+        round of the comparison, else read now, waiting up to 2 s for them), or
         with ``since``, of their histories of the calls after ``since`` up to ``first``."""
         from .._callspec import PeerSpec
 
@@ -113,11 +122,11 @@ class CrossHostCheck:
                     f"differs from rank {wr}'s; which call differs is not known (more than 256 calls between two "
                     "comparisons; MPICOMM_DEBUG=1 names it). The calls returned, so their results differ; every "
                     "rank must make the same call")
-        me_spec = self._xspec.get(b) or disp.spec_for(first) or disp.spec_kept(first)
+        me_spec = self._xspec.get(b) or disp.spec_for(first) or disp.spec_kept(first, mine_w)
         if me_spec is not None:
             agr.publish_spec(self.progress.m, b, first, me_spec)
-        sw = None   # the other host's first member describes its call too (its watchdog)
-        for _ in range(int(agr.XHOST_PERIOD * 2 / 0.1)):
+        sw = self._xpeer.get(b)   # the other host's first member describes its call too (its
+        for _ in range(0 if sw is not None else int(agr.XHOST_PERIOD * 2 / 0.1)):   # watchdog)
             row = self.progress.read_words(wr, slot, F)
             sw = agr.spec_words(row, first) if row is not None else None
             if sw is not None or row is None:

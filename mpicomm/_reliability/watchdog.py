@@ -56,6 +56,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
         self._xseen = {}               # row -> (first call that differs across hosts, when first seen)
         self._xturn = 0                # where the next round of those comparisons starts
         self._xspec = {}               # row -> this rank's CallSpec of the first call that differs
+        self._xpeer = {}               # row -> the other host's SPEC words of that call (from its row)
         self._xread = {}               # row -> (partner, its reads in flight, started)
         self._xtold = {}               # row -> (group, call, report) told to the members
         self._xrate = {}               # row -> (time, sequence number, the same of the round before)
