@@ -25,6 +25,8 @@ from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES,
 
 REFUSED = 0xFFFFFFFF        # the sig of a call this rank refused (an argument error, or a peer's report)
 GPU = 0x100                 # in the first word: the call's arrays are GPU arrays
+ASYNC = 0x200               # in the first word: started with async_op=True (not in the signature:
+#                             a member that refuses the call does not stand in for a started one)
 SPEC_WORDS = 7              # code, dtype, count, op + 1, root + 1, tail hash, sizes hash
 _OPS = tuple(ReduceOp)
 _DTYPES = {}                # dtype id -> name (every name this process has seen, and the common ones)
@@ -95,6 +97,11 @@ class CallSpec:
     def words(self):
         return self._words
 
+    def started_async(self):
+        """This call is started with async_op=True: said in the words, not in the signature."""
+        w = self._words
+        self._words = (w[0] | ASYNC,) + w[1:]
+
     @property
     def name(self):
         return NAMES.get(self.code, f"collective #{self.code}")
@@ -141,6 +148,11 @@ class PeerSpec:
     @property
     def gpu(self):
         return bool(self._words[0] & GPU)
+
+    @property
+    def started(self):
+        """The call was started with async_op=True."""
+        return bool(self._words[0] & ASYNC)
 
     @property
     def name(self):

@@ -196,6 +196,8 @@ class Dispatcher(AgreementPaths):
             p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                 if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
             sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)
+            if async_op:
+                sp.started_async()
             p.sig = sp.sig
             if p.cls is not None:
                 p.key = (p.cls, p.shape, p.dtype, p.arg, p.stream, p.async_op, p.role is NEW, p.role is IN_PLACE)
@@ -225,6 +227,10 @@ class Dispatcher(AgreementPaths):
         host neighbours' calls of ``seq`` compared, the row's DONE word (``call`` does the same
         written out)."""
         m, b = self.mem, self.row
+        if async_op:   # (first: a Work whose call raises below is left, not waited for, once dropped;
+            r._group, r._seq = self.group, seq   # and the call is over here, started: a member
+            r._watch = self.watch                # that refuses it does not stand in for this rank)
+            m[b + AT_DONE] = seq << 4 | code
         if m[b + AT_POISON]:
             self.poisoned_after(seq, code)
         if self.shr is not None:
@@ -233,9 +239,6 @@ class Dispatcher(AgreementPaths):
                 if pw != w and pw >> 32 == seq:
                     self.differs(seq, code, j, pw)
         m[b + AT_DONE] = seq << 4 | code
-        if async_op:
-            r._group, r._seq = self.group, seq
-            r._watch = self.watch
         return r
 
     def raise_in_call(self, seq, code, e):
@@ -262,6 +265,30 @@ class Dispatcher(AgreementPaths):
         m[b + AT_DONE] = v
         self._raised_here(seq)
         raise e
+
+    def raise_in_wait(self, seq, name, e):
+        """Work.wait of async call ``seq`` met MPI's own error ``e``: raised as the call's, and
+        told to the members as a disagreement where MPI says the messages differ (as
+        ``raise_in_call`` does for a blocking call). ``name``: the collective's."""
+        code = next((c for c, n in NAMES.items() if n == name), 0)
+        err = mpi_error(e, name, seq, self.group.name)
+        if seq > self.raised and isinstance(err, CollectiveMismatchError) and self.check:
+            w = self.mem[self.cb + (seq & 255)]
+            other = next((j for pm, pb, j in self.peers if pm[pb + (seq & 7)] != w and pm[pb + (seq & 7)] >> 32 == seq),
+                         None) if self.shr is not None else None
+            try:
+                self.disagree(seq, code, other, err if other is None else None)   # raises
+            except CollectiveMismatchError as told:
+                err = told
+        self._raised_here(seq)
+        raise err from e
+
+    def report_in_wait(self, seq, name):
+        """Work.wait's periodic check while async call ``seq`` is pending: a member's report
+        about it (or an earlier call) is raised as the call returning would have raised it
+        (the call will not complete: its reporter left it)."""
+        if self.mem[self.row + AT_POISON] and seq == self.seq:
+            self.poisoned_after(seq, next((c for c, n in NAMES.items() if n == name), 0))
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""
@@ -297,9 +324,11 @@ class Dispatcher(AgreementPaths):
             self.fr[seq & self.fmask] = (seq, code, None, _now())
         try:
             r = fn()
-        except BaseException:
+        except BaseException as e:
             m[b + AT_DONE] = v
             m[b + AT_RAISED] = v
+            if type(e).__module__ == "mpi4py.MPI":   # MPI's own error (a truncated message: the
+                self.raise_in_call(seq, code, e)      # calls differ), as for an array collective
             raise
         for pm, pb, j in self.peers:
             pw = pm[pb + (seq & 7)]

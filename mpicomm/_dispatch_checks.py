@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ._backends.base import NEVER
-from ._callspec import REFUSED, PeerSpec, plain_spec
+from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, ENTERED, EPOCH, REPORTED
 from .errors import CollectiveMismatchError
@@ -152,8 +152,8 @@ class AgreementPaths:
             other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
-            if sw is not None and mine is not None:
-                fresh = not _same_bytes(mine, PeerSpec(sw))
+            if sw is not None and mine is not None:   # (a started async call may stay pending
+                fresh = not _same_bytes(mine, PeerSpec(sw)) or bool(mine.words()[0] & ASYNC)   # on some)
         elif err is not None:
             calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
         text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
@@ -210,20 +210,31 @@ class AgreementPaths:
         specs = [spec_words(rows[j], seq) for j in entered]
         specs = [PeerSpec(w) for w in specs if w is not None]
         stood = False
-        try:
-            if specs and not specs[0].sized:
+        text = None
+        try:   # (not for a member that started the call async: a blocking stand-in never
+            # matches its nonblocking collective; its request is left, and the group starts afresh)
+            if specs and not specs[0].sized and not specs[0].started:
                 self._stand_in(code, specs[0])
                 stood = True
         finally:
             m[b + AT_DONE] = m[b]
-            self._after(seq, bool(entered) and not stood)
-            self.rel.progress.set_decision(bool(entered) and not stood)
+            fresh = bool(entered) and not stood
+            # the decisions of the members that raised for the call (the reporter ``who``, and
+            # any that left it having raised: MPI's own error inside it leaves messages
+            # unmatched) count too, so that every member makes the fresh communicator, or none
+            left = {g.ranks[j] for j in entered if int(rows[j][REPORTED]) >= seq}
+            if who is not None:
+                left.add(who)
+            for wr in sorted(left):
+                said, theirs = self.rel.progress.reason_of(wr, decision=True, wait=self._decision_wait())
+                fresh = fresh or bool(theirs)
+                if wr == who:
+                    text = said   # (the reporter's final words)
+            self._after(seq, fresh)
+            self.rel.progress.set_decision(fresh)
         if e is not None:
             raise e
-        if who is not None:   # the reporter's final words (it may have been describing still)
-            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-            reason = text or reason
-        raise _peer_error(reason)
+        raise _peer_error(text or reason)
 
     def refuse_early(self, code, e):
         """Collective ``code`` refused by a check before the dispatcher (``e``): published as

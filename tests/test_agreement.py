@@ -113,6 +113,19 @@ def test_op_disagreement(multi):
     assert "op" in str(err), err
 
 
+def test_async_count_disagreement(multi):
+    """async_op=True with another element count on one rank: every rank raises, in the call
+    or in Work.wait (a rank waiting there for a call that its reporter left raises the report
+    within seconds), and the next calls go on (the abandoned request is not waited for)."""
+    n, r = multi
+    bad = _other(n, 13)
+    x = np.random.default_rng(r).standard_normal(5 if r == bad else 4).astype(np.float32)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, async_op=True).wait(), 300)
+    assert isinstance(err, CollectiveMismatchError), repr(err)
+    assert "element count" in str(err) or "longer message" in str(err) or "a peer sent more" in str(err) \
+        or "reported" in str(err) or "refused" in str(err), err
+
+
 def test_read_only_buffer_on_one_rank(multi):
     """broadcast into a read-only array on one non-root rank: that rank raises its own
     InvalidArgumentError; the others raise CollectiveMismatchError naming it and why."""

@@ -63,3 +63,64 @@ def test_check_off_leaves_it_to_the_timeout(tmp_path):
     p, _ = run_job(mpirun_argv(2, str(script)), env, 120)
     assert p.returncode != 0
     assert "CollectiveTimeoutError" in p.stderr and "CollectiveMismatchError" not in p.stderr, p.stderr
+
+
+CAUGHT = r"""
+import sys, time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+rng = np.random.default_rng(r)
+last = r == n - 1
+mpicomm.barrier()
+t0 = time.monotonic()
+try:
+    CASE
+    print(f"rank {r}: returned", flush=True)
+except mpicomm.MpicommError as e:
+    print(f"rank {r}: raised {type(e).__name__}", flush=True)
+for salt in (1, 2):   # the group goes on (a rank that returned raises in the first of these)
+    parts = [np.random.default_rng([salt, k]).standard_normal(5) for k in range(n)]
+    try:
+        got = mpicomm.all_reduce(parts[r])
+        print(f"rank {r}: next {'ok' if np.allclose(got, np.sum(parts, axis=0)) else 'WRONG'}", flush=True)
+    except mpicomm.MpicommError as e:
+        print(f"rank {r}: next raised {type(e).__name__}", flush=True)
+print(f"rank {r}: done in {time.monotonic() - t0:.1f} s", flush=True)
+"""
+
+CAUGHT_CASES = {
+    # splits that disagree (compared by MPI only): MPI's truncation on some rank, inside the call
+    "all_to_all_splits": "mpicomm.all_to_all(rng.standard_normal(2 * n).astype(np.float32), in_splits=[2] * n, "
+                         "out_splits=[3 if last else 2] * n)",
+    # another element count, started asynchronously: the others wait in Work.wait
+    "async_count": "mpicomm.all_reduce(rng.standard_normal(5 if last else 4).astype(np.float32), async_op=True).wait()",
+    # an object collective against an array collective
+    "object_vs_array": "mpicomm.broadcast_object({'a': r}) if last else mpicomm.broadcast(rng.standard_normal(4))",
+}
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", sorted(CAUGHT_CASES))
+def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n):
+    """Disagreements a program catches and goes on from: every rank raises (in the call, in
+    Work.wait or, where it had returned, in its next call) and the calls after are right; or,
+    where a rank is blocked inside a call its peer left, the job ends naming the disagreement
+    within seconds. Never a hang until the timeout, never a wrong result, never MPI's own
+    exception."""
+    script = tmp_path / "case.py"
+    script.write_text(CAUGHT.replace("CASE", CAUGHT_CASES[case]))
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env.pop("MPICOMM_CHECK", None)
+    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    out = p.stdout + p.stderr
+    assert "did not complete within 60 s" not in out, out[-3000:]
+    assert took < 40, took
+    assert "WRONG" not in out, out[-3000:]
+    assert "mpi4py" not in out and "raised Exception" not in out, out[-3000:]
+    if p.returncode == 0:
+        for r in range(n):
+            assert f"rank {r}: raised" in out or f"rank {r}: next raised" in out, out[-3000:]
+        assert out.count(": next ok") >= n, out[-3000:]   # the second call at least
+    else:
+        assert "CollectiveMismatchError" in out, out[-3000:]

@@ -46,6 +46,10 @@ DEPARTED_CHECK = 2.0
 # after the handle is gone, so a dropped Work is kept here (with its request and
 # buffers) and completed at the next collective, barrier or finalize.
 _dropped: list[Work] = []
+# Works of calls that raised on this rank after they started (a disagreement found as the
+# call returned, a member's report while waiting): they may never complete, and the group
+# goes on with a fresh communicator where needed; kept (with their buffers), never waited for.
+_abandoned: list[Work] = []
 _warned: list[bool] = []
 DROPPED_WARNING = ("mpicomm: a Work (async_op=True) was dropped before it completed; mpicomm keeps "
                    "its buffers until the operation completes, at the next collective, barrier or "
@@ -260,9 +264,22 @@ class Work:
         if not self._done:
             if timeout is None:
                 timeout = Work.default_timeout
-            self._block(timeout)
+            try:
+                self._block(timeout)
+            except Exception as e:
+                disp = self._disp()
+                if type(e).__module__ != "mpi4py.MPI" or disp is None:
+                    raise
+                self._done = True   # (over, in error: MPI's message, as the call's error)
+                disp.raise_in_wait(self._seq, self._what[0], e)
             self._finish()
         return self._result
+
+    def _disp(self):
+        """The dispatcher of this Work's collective (None for a send or recv, or unknown)."""
+        if getattr(self, "_seq", None) is None:
+            return None
+        return getattr(getattr(self, "_group", None), "disp", None)
 
     def _block(self, timeout):
         start = time.monotonic()
@@ -278,6 +295,14 @@ class Work:
                 if now > check and self._watch is not None:
                     check = now + DEPARTED_CHECK
                     self._watch.work_departed(self.description, now - start)  # reports and ends the job
+                    disp = self._disp()
+                    if disp is not None:   # a member's report about the call: it will not complete
+                        try:
+                            disp.report_in_wait(self._seq, self._what[0])
+                        except Exception:
+                            self._done = True   # (left: its reporter left the call)
+                            _abandoned.append(self)
+                            raise
                 self._idle()
 
     def _idle(self):
@@ -300,6 +325,10 @@ class Work:
                 return
         except Exception:  # MPI already finalised, or the communicator is gone
             return
+        disp = self._disp()
+        if disp is not None and disp.raised >= self._seq:   # its call raised here (a disagreement
+            _abandoned.append(self)   # reported as it returned): it may never complete; kept with
+            return                    # its buffers, never waited for
         _dropped.append(self)
         if not _warned:
             _warned.append(True)

@@ -335,8 +335,12 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         raised(self, c.seq, args[0]);
         goto done;
     }
-    int a = leave(self, &c, args[0]) < 0 ? -1 : PyObject_IsTrue(args[4]);
-    if (a < 0 || (a && describe_work(self, r, seqo) < 0))
+    /* (an async call's Work described first: one whose call raises in leave() is left, not
+     * waited for, once dropped) */
+    int a = PyObject_IsTrue(args[4]);
+    if (a > 0)   /* (started: over here; a member that refuses it does not stand in for this rank) */
+        store(c.m + c.b + at_done, c.v);
+    if (a < 0 || (a && describe_work(self, r, seqo) < 0) || leave(self, &c, args[0]) < 0)
         Py_CLEAR(r);
 done:
     Py_DECREF(run);

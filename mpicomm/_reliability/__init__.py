@@ -37,6 +37,10 @@ class Reliability:
 
     def __init__(self, ctx):
         self.ctx = ctx
+        # per group (id): a duplicate of its communicator that carries no traffic, from which
+        # resync makes the fresh one (the old one may hold requests of the failed call that
+        # would take the duplication's own messages)
+        self._spares = {}
         size = _flight_size(ctx)
         self.progress = Progress(ctx.world.mpi_comm, ctx.world.rank)
         self.rings = agreement.HostRings(ctx.local_comm, ctx.world.rank, ctx.check and ctx.world.size > 1)
@@ -71,13 +75,16 @@ class Reliability:
     def attach(self, g):
         """Collective over member group ``g``: its agreement check learns the members' rows."""
         agreement.attach(g.disp, self.rings, self.progress, g.mpi_comm, self.ctx.world.rank)
+        if g.size > 1 and self.ctx.check:
+            self._spares[id(g)] = g.mpi_comm.Dup()
 
     def resync(self, g):
         """Give member group ``g`` a fresh communicator and transport (collective over its
         members, who all call it at their next call after a disagreement or refusal that
         some member took part in: what the failed call left unmatched stays in the old one)."""
         old_t = g.transport
-        new = g.mpi_comm.Dup()
+        spare = self._spares.get(id(g))
+        new = (spare if spare is not None else g.mpi_comm).Dup()
         g.mpi_comm = new
         g.transport = self.ctx.backend.make_transport(new)
         d = g.disp
@@ -101,6 +108,12 @@ class Reliability:
 
     def forget(self, g):
         self.progress.remove(g)
+        spare = self._spares.pop(id(g), None)
+        if spare is not None:
+            try:
+                spare.Free()
+            except Exception:
+                pass
         d = getattr(g, "disp", None)
         if d is not None and isinstance(d.transport, Checked):
             d.transport.close()

@@ -206,6 +206,12 @@ class Watchdog(Diagnosis, CrossHostCheck):
                 why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
+            if news and k == seq and not pw & agr.ACROSS:   # a member raised inside this very call
+                first = self._refused_seen.setdefault(key, time.monotonic())   # (MPI's own error
+                if time.monotonic() - first >= agr.REFUSAL_WAIT:   # there, the same signatures): a
+                    why = agr.report_of(self.progress, pw) or f"rank {who} raised in call {k}"   # refusal's
+                    return self._fire_mismatch(g, seq, f"{why}; rank {who} left the call, in which this "   # stand-in
+                                               "rank waits for it", waited)   # would have come by now
         if key in self._compared and key not in self._refused_seen:
             return False
         self._compared.add(key)
@@ -214,7 +220,15 @@ class Watchdog(Diagnosis, CrossHostCheck):
             self._refused_seen.clear()
         mine = int(m[disp.cb + seq % agr.CALLS_N])
         if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
-            return False   # this rank refused the call: its refusal is in progress
+            # this rank refused the call: its refusal is in progress (a stand-in for the
+            # members inside the call), unless that stand-in cannot complete (they left the
+            # call: raised in it, or started it async)
+            first = self._refused_seen.setdefault(key, time.monotonic())
+            if time.monotonic() - first < 2 * agr.REFUSAL_WAIT:
+                return False
+            why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
+            return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
+                                       "the call does not complete (they left it)", waited)
         bad, refused = [], []
         for j, wr in enumerate(g.ranks):
             if j == g.rank:
