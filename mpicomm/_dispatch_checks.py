@@ -219,22 +219,11 @@ class AgreementPaths:
         finally:
             m[b + AT_DONE] = m[b]
             fresh = bool(entered) and not stood
-            # the decisions of the members that entered the call and raised for it (MPI's own
-            # error inside it leaves messages unmatched) count too, so that every member makes
-            # the fresh communicator, or none. (Not those that refused it, as this rank did:
-            # they decide alike, and may be waiting for this rank's decision.)
-            for j in entered:
-                if int(rows[j][REPORTED]) >= seq:
-                    said, theirs = self.rel.progress.reason_of(g.ranks[j], decision=True,
-                                                               wait=self._decision_wait())
-                    fresh = fresh or bool(theirs)
-                    if g.ranks[j] == who:
-                        text = said   # (the reporter's final words)
             self._after(seq, fresh)
             self.rel.progress.set_decision(fresh)
         if e is not None:
             raise e
-        if who is not None and text is None:   # the reporter's final words (it may have been describing still)
+        if who is not None:   # the reporter's final words (it may have been describing still)
             text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         raise _peer_error(text or reason)
 

@@ -206,12 +206,15 @@ class Watchdog(Diagnosis, CrossHostCheck):
                 why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
-            if news and k == seq and not pw & agr.ACROSS:   # a member raised inside this very call
-                first = self._refused_seen.setdefault(key, time.monotonic())   # (MPI's own error
-                if time.monotonic() - first >= agr.REFUSAL_WAIT:   # there, the same signatures): a
-                    why = agr.report_of(self.progress, pw) or f"rank {who} raised in call {k}"   # refusal's
-                    return self._fire_mismatch(g, seq, f"{why}; rank {who} left the call, in which this "   # stand-in
-                                               "rank waits for it", waited)   # would have come by now
+            if news and k == seq and not pw & agr.ACROSS and who in g.ranks:   # a member raised inside
+                j = g.ranks.index(who)   # this very call (MPI's own error there, the same signatures;
+                row = agr.read_row(self.progress, who, disp.slots[j])   # not a refusal: its stand-in
+                if row is not None and agr.ring_word(row, seq)[1] == "entered":   # comes)
+                    first = self._refused_seen.setdefault(key, time.monotonic())
+                    if time.monotonic() - first >= 2 * agr.REFUSAL_WAIT:
+                        why = agr.report_of(self.progress, pw) or f"rank {who} raised in call {k}"
+                        return self._fire_mismatch(g, seq, f"{why}; rank {who} left the call, in which this "
+                                                   "rank waits for it", waited)
         if key in self._compared and key not in self._refused_seen:
             return False
         self._compared.add(key)
@@ -226,6 +229,10 @@ class Watchdog(Diagnosis, CrossHostCheck):
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first < 2 * agr.REFUSAL_WAIT:
                 return False
+            for j, wr in enumerate(g.ranks):   # a member not there yet: the refusal waits for it
+                row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
+                if row is not None and agr.ring_word(row, seq)[1] == "behind":
+                    return False
             why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
             return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
                                        "the call does not complete (they left it)", waited)
