@@ -104,7 +104,9 @@ stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}"
 per_rank='r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
           if [ "$r" = 0 ]; then exec "$@" --basetemp="$0/tmp.$r"
           else exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1; fi'
-tails() {  # tails DIR: after a failed stage, the end of each other rank's log
+tails() {  # tails DIR: after a failed stage, the end of each other rank's log, and the
+    # reports of the flight records a job-ending report wrote meanwhile (pytest's capture
+    # keeps a rank's stderr from the log when the job is aborted mid-test)
     if [ "$failed" = 1 ]; then
         for f in "$1"/rank.*.log; do
             if [ -f "$f" ]; then
@@ -112,6 +114,10 @@ tails() {  # tails DIR: after a failed stage, the end of each other rank's log
                 tail -n 40 "$f"
             fi
         done
+        find . -maxdepth 1 -name 'mpicomm-trace.rank*.json' -newer "$1" -print0 2>/dev/null |
+            xargs -0 -r "$py" -c 'import json, sys
+for p in sys.argv[1:]:
+    r = json.load(open(p)); print("----", p, "(" + str(r.get("reason")) + ")"); print(r.get("report", "(no report)"))'
     fi
 }
 for n in $ranks; do

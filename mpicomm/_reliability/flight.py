@@ -99,9 +99,10 @@ class FlightRecorder:
     def close(self):
         pass
 
-    def record(self, reason, peers=None):
+    def record(self, reason, peers=None, report=None):
         """This rank's record as a JSON-ready dict: the calls of every group, oldest first.
-        ``peers``: {world rank: window or None}, read by a report: each group says where they were."""
+        ``peers``: {world rank: window or None}, read by a report: each group says where they were;
+        ``report``: the text the report printed (kept with the record: a job's stderr may be lost)."""
         m = self.progress.m
         groups, calls = {}, []
         for g in self.groups():
@@ -127,12 +128,12 @@ class FlightRecorder:
         return {"format": FORMAT, "version": VERSION, "rank": self.rank, "world_size": self.world_size,
                 "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                 "recorder_size": self.size, "clock_origin_ns": self.origin, "dumped_ns": time.time_ns(),
-                "groups": groups, "calls": calls}
+                **({"report": report} if report else {}), "groups": groups, "calls": calls}
 
-    def dump(self, path=None, reason="dump_flight_record()", peers=None):
+    def dump(self, path=None, reason="dump_flight_record()", peers=None, report=None):
         """Write the record; returns its absolute path. Raises OSError when it cannot be written."""
         path = trace_path(self.rank, path)
-        rec = self.record(reason, peers)
+        rec = self.record(reason, peers, report)
         calls = rec.pop("calls")   # one call a line: readable, and greppable
         text = (json.dumps(rec)[:-1] + ',\n "calls": [' + ",".join("\n  " + json.dumps(c) for c in calls)
                 + "\n ]}")
@@ -151,7 +152,7 @@ class FlightRecorder:
             raise
         return path
 
-    def report_line(self, reason, prefix):
+    def report_line(self, reason, prefix, report=None):
         """Write the record for a report and return the report's line saying where (or why
         not); never raises, and gives up after DUMP_WAIT s (a hung file system)."""
         box = []
@@ -159,7 +160,7 @@ class FlightRecorder:
 
         def write():
             try:
-                box.append((self.dump(reason=reason, peers=peers), None))
+                box.append((self.dump(reason=reason, peers=peers, report=report), None))
             except BaseException as e:
                 box.append((None, f"{type(e).__name__}: {e}"))
 

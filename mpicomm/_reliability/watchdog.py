@@ -187,6 +187,16 @@ class Watchdog(Diagnosis, CrossHostCheck):
         if sp is not None:
             agr.publish_spec(m, b, want, sp)
 
+    def _members_go_afresh(self, pw, who):
+        """True when the report ``pw`` (by world rank ``who``) is across hosts, or its reporter
+        decided that the group makes a fresh communicator: the members will not make this
+        rank's call on the old one. Where it decided not to, they come to it (the timeout
+        watches them); undecided: not yet."""
+        if pw & agr.ACROSS:
+            return True
+        _, resync = self.progress.reason_of(who, decision=True)
+        return bool(resync)
+
     def _disagreement(self, g, b, seq, waited):
         """Once per waiting call: compare every member's signature of call ``seq``; where they
         differ (or a member refused it, or a report says the call cannot come) end the job
@@ -202,7 +212,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
             # (this rank's own word is a report when it comes from the comparison across hosts;
             # else it marks a fresh communicator due after this rank raised)
             news = k > disp.raised if pw & agr.ACROSS else who != self.progress.wrank
-            if news and k < seq and waited >= agr.REFUSAL_WAIT:
+            if news and k < seq and waited >= agr.REFUSAL_WAIT and self._members_go_afresh(pw, who):
                 why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
@@ -236,7 +246,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
             why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
             return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
                                        "the call does not complete (they left it)", waited)
-        bad, refused = [], []
+        bad, refused, behind = [], [], False
         for j, wr in enumerate(g.ranks):
             if j == g.rank:
                 continue
@@ -244,11 +254,17 @@ class Watchdog(Diagnosis, CrossHostCheck):
             if row is None:
                 continue
             w, st = agr.ring_word(row, seq)
+            behind = behind or st == "behind"
             if st == "refused":
                 refused.append(wr)
             elif st == "entered" and w != mine:
                 bad.append((j, wr, row))
         if refused:   # the refusing rank stands in for this call: fire only if that does not come
+            # once no member is still on its way to the call (the refuser waits for them first;
+            # a member still on its way is the timeout's to watch)
+            if behind:
+                self._refused_seen.pop(key, None)
+                return False
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first >= agr.REFUSAL_WAIT:
                 why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
@@ -401,7 +417,7 @@ class Watchdog(Diagnosis, CrossHostCheck):
                          + "\n")
         sys.stderr.flush()   # the report is out before the record is written
         reason = "early exit" if early else ("mismatch" if kind == "CollectiveMismatchError" else "timeout")
-        sys.stderr.write(self._flight_line(reason))
+        sys.stderr.write(self._flight_line(reason, f"{kind}: {msg}"))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
                   grace=GRACE, code=code)
@@ -512,12 +528,13 @@ class Watchdog(Diagnosis, CrossHostCheck):
         sys.stderr.flush()
         return CollectiveTimeoutError(msg)
 
-    def _flight_line(self, reason):
-        """Write the flight record; the report's line that says where ('' with the recorder off)."""
+    def _flight_line(self, reason, report=None):
+        """Write the flight record (with the report's text); the report's line that says where
+        ('' with the recorder off)."""
         f = self.flight
         if f is None or not f.size:
             return ""
-        return f.report_line(reason, rank_prefix())
+        return f.report_line(reason, rank_prefix(), report)
 
 
 class InitGuard:
