@@ -337,6 +337,15 @@ class AgreementPaths:
         # raises the report now, refusing call seq, so that members already inside call
         # seq are stood in for and raise too (every rank's count of calls stays alike)
         self._answer(k)
+        # the reporter's decision first: where the members make a fresh communicator at their
+        # next call (this one), this rank makes it with them before refusing the call (else
+        # its refusal would wait for members that wait for it in the duplication)
+        decided = None
+        if not word & ACROSS:
+            decided = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+            if decided[1] and not hasattr(self.plain(), "nccl"):
+                self._raised_here(k)
+                self.rel.resync(self.group)
         m[b] = seq << 4 | code
         m[b + AT_RAISED] = m[b]
         late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
@@ -346,14 +355,19 @@ class AgreementPaths:
                           + late)
         try:   # refused at once: members already inside call seq are stood in for without delay
             self.refuse(seq, code, err, None)
-        finally:   # the reporter's final words and decision (it may still be describing)
+        finally:   # the reporter's final words (read above, with its decision)
             if word & ACROSS:   # decided (no fresh communicator), its words read above
                 self._after(k, False)
             else:
-                reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-                self._after(k, bool(resync))
+                reason, resync = decided
+                self._after(k, resync is None and self._late_decision(who))
                 if reason:
                     err.args = (reason + late,)
+
+    def _late_decision(self, who):
+        """The decision of reporter ``who`` that was not there in time before this rank's
+        refusal: read once more (a fresh communicator at this rank's next call)."""
+        return bool(self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())[1])
 
     def told(self, seq, j):
         """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
