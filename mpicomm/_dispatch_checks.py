@@ -55,6 +55,10 @@ class AgreementPaths:
                 return getattr(p, "spec", None) or plain_spec(e & 15)
         return None
 
+    def spec_any(self, seq, word=None):
+        """``spec_for(seq)``, else ``spec_kept(seq, word)``: the best description there is."""
+        return self.spec_for(seq) or self.spec_kept(seq, word)
+
     def spec_kept(self, seq, word=None):
         """The CallSpec of this rank's call ``seq`` where ``spec_for`` has none (its flight
         ring moved on) but its ring word is kept, or is given (``word``, as read by the

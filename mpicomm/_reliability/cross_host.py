@@ -90,7 +90,7 @@ class CrossHostCheck:
             if self._xseen.get(b, (None,))[0] != first:           # that differs moves on with the calls)
                 self._xseen[b] = (first, now)
                 self._xpeer.pop(b, None)
-                sp = (disp.spec_for(first) or disp.spec_kept(first, found[1])) if found[3] is None else None
+                sp = disp.spec_any(first, found[1]) if found[3] is None else None
                 self._xspec[b] = sp   # (the flight ring may have moved on when it fires)
                 if sp is not None:    # for the other host's report
                     agr.publish_spec(self.progress.m, b, first, sp)
@@ -122,7 +122,7 @@ class CrossHostCheck:
                     f"differs from rank {wr}'s; which call differs is not known (more than 256 calls between two "
                     "comparisons; MPICOMM_DEBUG=1 names it). The calls returned, so their results differ; every "
                     "rank must make the same call")
-        me_spec = self._xspec.get(b) or disp.spec_for(first) or disp.spec_kept(first, mine_w)
+        me_spec = self._xspec.get(b) or disp.spec_any(first, mine_w)
         if me_spec is not None:
             agr.publish_spec(self.progress.m, b, first, me_spec)
         sw = self._xpeer.get(b)   # the other host's first member describes its call too (its
