@@ -71,7 +71,7 @@ class Dispatcher(AgreementPaths):
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
                  "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync",
-                 "xhost", "cb")
+                 "xhost", "cb", "fresh_at")
 
     def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True, ring=None):
         self.group = group
@@ -103,6 +103,7 @@ class Dispatcher(AgreementPaths):
         self.slots = None              # every member's row index in its progress window
         self.raised = 0                # the last sequence number a disagreement was raised for
         self.resync = False            # a fresh communicator is due at the next call (MPI)
+        self.fresh_at = 0              # the call at whose start the fresh communicator is being made
         self.xhost = None              # (group rank, world rank, row) on the next host, compared
         #                                by the watchdog (this rank is its host's first member)
         self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % 256)
@@ -292,6 +293,8 @@ class Dispatcher(AgreementPaths):
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""
+        if self.fresh_at == self.seq:
+            return "before it: the group's fresh communicator, due after a disagreement (collective)"
         p = self.last[code]
         return p.describe() if p is not NEVER else "no array"
 

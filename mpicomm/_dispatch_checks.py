@@ -241,8 +241,7 @@ class AgreementPaths:
         # and every rank's count of calls must stay alike
         seq = self.seq = self.seq + 1
         if self.resync:   # the fresh communicator due from an earlier call comes first
-            self.resync = False
-            self.rel.resync(self.group)
+            self._resync_now(seq, code)
         m[b] = seq << 4 | code
         m[b + AT_RAISED] = m[b]
         word = m[b + AT_POISON]
@@ -299,6 +298,19 @@ class AgreementPaths:
         if gpu:
             xp.cuda.get_current_stream().synchronize()
 
+    def _resync_now(self, seq, code):
+        """Make the fresh communicator due (collective over the members) at the start of call
+        ``seq``, published first as this rank's call ``seq`` entered: the watchdog watches the
+        duplication as it watches the call (members that left their script, or never come,
+        are named), where it would otherwise wait unwatched."""
+        self.resync = False
+        self.mem[self.row] = seq << 4 | code
+        self.fresh_at = seq
+        try:
+            self.rel.resync(self.group)
+        finally:
+            self.fresh_at = 0
+
     def poisoned(self, seq, code, call=None):
         """Before call ``seq``: a member's report (POISON) or this rank's resync is due.
         ``call``: the call's (x, out, arg, async_op, stream), checked here when the report is
@@ -308,8 +320,7 @@ class AgreementPaths:
 
         m, b = self.mem, self.row
         if self.resync:   # first of all: the fresh communicator every member makes at its next call
-            self.resync = False
-            self.rel.resync(self.group)
+            self._resync_now(seq, code)
         word = m[b + AT_POISON]
         k, who = poison_fields(word)
         # a word about a call this rank raised for: its own resync marker (_after), or a report
@@ -349,7 +360,7 @@ class AgreementPaths:
             decided = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
             if decided[1] and not hasattr(self.plain(), "nccl"):
                 self._raised_here(k)
-                self.rel.resync(self.group)
+                self._resync_now(seq, code)
         m[b] = seq << 4 | code
         m[b + AT_RAISED] = m[b]
         late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "

@@ -124,3 +124,41 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
         assert out.count(": next ok") >= n, out[-3000:]   # the second call at least
     else:
         assert "CollectiveMismatchError" in out, out[-3000:]
+
+
+LEFT = r"""
+import numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+x = np.random.default_rng(r).standard_normal(2).astype(np.float32)
+sizes = [2] * n
+if r == n - 1:
+    sizes[0] = 3   # another sizes list: every rank raises, and the group makes a fresh communicator
+try:
+    mpicomm.all_gather(x, sizes=sizes)
+except mpicomm.CollectiveMismatchError as e:
+    print(f"rank {r}: raised", flush=True)
+if r == n - 1:   # one more call on this rank only: the others have left their script
+    mpicomm.all_reduce(np.random.default_rng(9).standard_normal(4))
+print(f"rank {r}: done", flush=True)
+"""
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3])
+def test_fresh_communicator_after_a_disagreement_is_watched(tmp_path, n):
+    """The fresh communicator a disagreement leaves due is made at the group's next call
+    (collective over the members): a rank that makes it while the others have left their
+    script ends the job within seconds, naming them, as a call would (not an unwatched wait)."""
+    script = tmp_path / "case.py"
+    script.write_text(LEFT)
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env.pop("MPICOMM_CHECK", None)
+    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert all(f"rank {r}: raised" in out for r in range(n)), out[-3000:]
+    assert f"rank {n - 1}: done" not in out, out[-3000:]
+    assert "left" in out and "CommunicationError" in out, out[-3000:]
+    assert "did not complete within 60 s" not in out, out[-3000:]
+    assert took < 40, took
