@@ -259,7 +259,9 @@ def create_group(group: str, rank_ids: Sequence[int]) -> None:
     comes is named by the watchdog. Raises InvalidArgumentError for an empty or duplicate
     name, a world alias, an empty list, duplicates or ranks out of range (on every rank
     that calls it with those arguments). Members that pass different names or rank lists
-    do not meet: the watchdog reports the creation as not completed, naming the ranks.
+    do not meet: where a missing member waits in another group's call that needs this rank,
+    the watchdog ends the job within seconds naming both calls; else it reports the creation
+    as not completed at the timeout, naming the ranks.
     """
     ctx = require_init("create_group()")
     world = ctx.world

@@ -162,3 +162,37 @@ def test_fresh_communicator_after_a_disagreement_is_watched(tmp_path, n):
     assert "left" in out and "CommunicationError" in out, out[-3000:]
     assert "did not complete within 60 s" not in out, out[-3000:]
     assert took < 40, took
+
+
+CROSSED = {
+    # members that pass create_group other rank lists: rank n-1 is no member in its own list,
+    # returns, and waits in the world's next call; the others wait for it in the creation
+    "create_group_rank_lists": ("mpicomm.create_group('g', list(range(n - 1)) if r == n - 1 else list(range(n)))\n"
+                                "mpicomm.all_reduce(x)", ("create_group sequence 1 on group 'g'",)),
+    # two groups' calls in another order on one rank
+    "call_order": ("mpicomm.create_group('g', list(range(n)))\n"
+                   "if r == 0:\n    mpicomm.all_reduce(x, group='g'); mpicomm.all_reduce(x)\n"
+                   "else:\n    mpicomm.all_reduce(x); mpicomm.all_reduce(x, group='g')",
+                   ("all_reduce sequence 1 on group 'g'", "all_reduce sequence 3 on group 'world'")),
+}
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", sorted(CROSSED))
+def test_crossed_waits_end_the_job_naming_both_calls(tmp_path, case, n):
+    """A rank waits for a member that waits, in another group's call that needs every member,
+    for this rank: neither can go on. The job ends within seconds naming both calls (not at
+    the timeout)."""
+    code, words = CROSSED[case]
+    script = tmp_path / "case.py"
+    script.write_text(HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n")
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env.pop("MPICOMM_CHECK", None)
+    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    err = p.stderr
+    assert p.returncode != 0, (p.stdout, err)
+    assert "neither can go on" in err and "on group 'world'" in err, err[-3000:]
+    assert any(w in err for w in words), err[-3000:]   # (the first rank to tell names the other's call)
+    assert "did not complete within 60 s" not in err, err[-3000:]
+    assert took < 40, took
