@@ -12,7 +12,7 @@ from ._mpi import load as load_mpi
 from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
 from ._reliability.progress import ghash
-from ._reliability.watchdog import InitGuard
+from ._reliability.init_guard import InitGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
