@@ -209,8 +209,8 @@ class Watchdog(Diagnosis, CrossHostCheck):
         with every rank's call named. True when it fired."""
         disp = getattr(g, "disp", None)
         key = (b, seq)
-        if disp is None or disp.slots is None or not disp.check:
-            return False
+        if disp is None or disp.slots is None or not disp.check or disp.fresh_at == seq:
+            return False   # (making the fresh communicator before call seq: no call to compare yet)
         m = self.progress.m
         pw = m[b - ENTERED + POISON]
         if pw:   # a report about an earlier call: the members will not come to this one
