@@ -18,7 +18,10 @@ from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, ENTERED, EPOCH, REPORTED
 from .errors import CollectiveMismatchError
 
-SPEC_WAIT = 2.0   # s a refusing rank waits for the specs of members that took part (stand-in)
+SPEC_WAIT = 2.0   # s a rank that reports waits for the spec of the member whose call differs
+# s a refusing rank waits for the specs of members that took part (its stand-in needs them: a
+# refusal that cannot stand in leaves the group a fresh start that the reporters did not decide)
+STAND_IN_WAIT = 3.5
 
 
 class AgreementPaths:
@@ -94,7 +97,7 @@ class AgreementPaths:
     def _decision_wait(self):
         """Seconds to wait for a reporter's final words and its decision on a fresh
         communicator (on MPI the members must decide alike; NCCL only needs the words)."""
-        return SPEC_WAIT + 0.5 if hasattr(self.plain(), "nccl") else SPEC_WAIT + 2
+        return SPEC_WAIT + 0.5 if hasattr(self.plain(), "nccl") else STAND_IN_WAIT + 2
 
     def _answer(self, k):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
@@ -146,7 +149,9 @@ class AgreementPaths:
         calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
         # whether messages of the call may be left unmatched (then: a fresh communicator): where
         # the peer's call could not be described, only MPI's own truncation error says so
-        fresh = err is not None
+        # (a started async call may stay pending on some: always afresh, whatever the peer's
+        # description says, so that every member decides alike)
+        fresh = err is not None or (mine is not None and bool(mine.words()[0] & ASYNC))
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
@@ -156,8 +161,8 @@ class AgreementPaths:
             other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
-            if sw is not None and mine is not None:   # (a started async call may stay pending
-                fresh = not _same_bytes(mine, PeerSpec(sw)) or bool(mine.words()[0] & ASYNC)   # on some)
+            if sw is not None and mine is not None:
+                fresh = fresh or not _same_bytes(mine, PeerSpec(sw)) or PeerSpec(sw).started
         elif err is not None:
             calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
         text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
@@ -197,7 +202,7 @@ class AgreementPaths:
         t0 = time.monotonic()
 
         def decided(rows):
-            late = time.monotonic() - t0 > SPEC_WAIT
+            late = time.monotonic() - t0 > STAND_IN_WAIT
             for j, row in rows.items():
                 if row is None:
                     continue      # no answer: taken as gone

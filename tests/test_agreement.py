@@ -21,8 +21,9 @@ pytestmark = pytest.mark.mpi
 
 # s: a report reaches every rank within 2 s, but for a rank that had returned from the call
 # before the report and whose next call waits for the reporter's decision on a fresh
-# communicator (up to 4 s; docs/RELIABILITY.md); slack for a crowded 2-core CI machine
-LIMIT = 5.0
+# communicator (up to 5.5 s where the reporter's stand-in waits for specs; docs/RELIABILITY.md);
+# slack for a crowded 2-core CI machine
+LIMIT = 7.0
 
 
 def _attempt(fn):

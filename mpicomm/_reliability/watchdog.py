@@ -18,24 +18,22 @@ import threading
 import time
 
 from .._backends.capture import relax_this_thread, stream_capturing
-from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, CREATE_GROUP, DESTROY_GROUP, NAMES,
-                    REDUCE_SCATTER)
+from .._ops import NAMES
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
 from . import agreement as agr
 from .cross_host import CrossHostCheck
+from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DONE, DUMP, REPLAYS, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, POISON, ROWS, SPECSEQ, TDONE,
-                       XSTATUS, F, ghash, p2p_fields)
+from .progress import (DUMP, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+                       ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
 GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
-# calls that complete on no rank before every member has entered them
-_ALL_NEEDED = frozenset((ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BARRIER, CREATE_GROUP, DESTROY_GROUP))
 EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a peer has exited
 
 
-class Watchdog(Diagnosis, CrossHostCheck):
+class Watchdog(Diagnosis, CrossHostCheck, Standstills):
     """The watchdog thread of one process: its polling loop, the agreement check of waiting
     calls, the GPU events, and the report that ends the job. The report texts are
     Diagnosis's (mpicomm._reliability.diagnosis), the comparison across hosts
@@ -209,8 +207,10 @@ class Watchdog(Diagnosis, CrossHostCheck):
         with every rank's call named. True when it fired."""
         disp = getattr(g, "disp", None)
         key = (b, seq)
-        if disp is None or disp.slots is None or not disp.check or disp.fresh_at == seq:
-            return False   # (making the fresh communicator before call seq: no call to compare yet)
+        if disp is None or disp.slots is None or not disp.check:
+            return False
+        if disp.fresh_at == seq:   # making the fresh communicator before call seq: no call to compare
+            return self._fresh_apart(g, disp, key, seq, waited)
         m = self.progress.m
         pw = m[b - ENTERED + POISON]
         if pw:   # a report about an earlier call: the members will not come to this one
@@ -302,71 +302,6 @@ class Watchdog(Diagnosis, CrossHostCheck):
         self.lagging = []
         self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
         return True
-
-    def _crossed(self, g, b, e, s, now):
-        """Call ``e`` (ENTERED word) of ``g`` waits for a member that is blocked in a call of
-        another group this rank is in, that this rank has not reached, and that needs every
-        member (all_reduce, all_gather, reduce_scatter, all_to_all, barrier, creating or
-        destroying a group): neither can go on (the ranks called in another order, or passed
-        create_group other rank lists). Ends the job naming both calls once that has held
-        for REFUSAL_WAIT s; True when it fired."""
-        p = self.progress
-        if not self._peers_read or self._peers_read[0] != (b, e):
-            self._peers_read = ((b, e), None, None)
-        mine_gh = ghash(g.name)
-        own = {int(p.m[bb - ENTERED + GHASH]): (gg, bb) for gg, bb in p.rows.items()}
-        states = p.read_peers([r for r in g.ranks if r != p.wrank])
-        found = None
-        for wr, st in states.items():
-            if st is None or st[EXITED]:
-                continue
-            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
-            there = [r for r in rows if r[GHASH] == mine_gh and r[ENTERED]]
-            if there and int(there[0][ENTERED]) >> 4 >= e >> 4:
-                continue   # at this call, or past it
-            for r in rows:
-                gh, pe = int(r[GHASH]), int(r[ENTERED])
-                if not gh or gh == mine_gh or pe == int(r[DONE]) or (pe & 15) not in _ALL_NEEDED:
-                    continue
-                h = own.get(gh)
-                if h is None:
-                    continue
-                oe, od = int(p.m[h[1]]), int(p.m[h[1] + 1])
-                if oe >> 4 < pe >> 4 and oe == od:   # not reached here, and nothing of it pending
-                    found = (wr, h[0], pe)
-                    break
-            if found:
-                break
-        if found is None:
-            self._peers_read = ((b, e), None, None)
-            return False
-        key = (found[0], found[2])
-        if self._peers_read[1] != key:
-            self._peers_read = ((b, e), key, now)
-            return False
-        if now - self._peers_read[2] < agr.REFUSAL_WAIT:
-            return False
-        wr, h, pe = found
-        why = (f"rank {wr} waits in {NAMES.get(pe & 15, '?')} sequence {pe >> 4} on group {h.name!r}, which this "
-               f"rank has not reached, while this rank waits in {NAMES.get(e & 15, '?')} sequence {e >> 4} on group "
-               f"{g.name!r} for rank {wr}: neither can go on (the ranks made their calls of these groups in "
-               "another order" + (", or passed create_group other names or rank lists" if (e & 15) == CREATE_GROUP
-                                   or (pe & 15) == CREATE_GROUP else "") + ")")
-        return self._fire_mismatch(g, e >> 4, why, now - s[1])
-
-    def _peer_exited(self, g, seq):
-        """True when a rank of ``g`` has left its script without reaching call ``seq`` of ``g``
-        (its window says so): the call can never complete."""
-        gh = ghash(g.name)
-        states = self.progress.read_peers([r for r in g.ranks if r != self.progress.wrank])
-        for st in states.values():
-            if st is None or not st[EXITED]:
-                continue
-            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
-            mine = [r for r in rows if r[GHASH] == gh and r[ENTERED]]
-            if not mine or int(mine[0][ENTERED]) >> 4 < seq:
-                return True
-        return False
 
     def _p2p_disp(self):
         gh = int(self.progress.m[P2P_GH])
