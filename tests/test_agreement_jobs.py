@@ -31,17 +31,22 @@ CASES = {
 }
 
 
+def _job(tmp_path, text, n):
+    """Run ``text`` as a script on ``n`` ranks, the check at its default (on: MPICOMM_CHECK
+    unset), a 60 s timeout; returns (the finished process, seconds it took)."""
+    script = tmp_path / "case.py"
+    script.write_text(text)
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env.pop("MPICOMM_CHECK", None)
+    return run_job(mpirun_argv(n, str(script)), env, 120)
+
+
 @spawns_mpirun
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_blocked_disagreement_ends_the_job_naming_each_call(tmp_path, case, n):
     code, words = CASES[case]
-    script = tmp_path / "case.py"
-    script.write_text(HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n")
-    # the check's default (on): MPICOMM_CHECK unset
-    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
-    env.pop("MPICOMM_CHECK", None)
-    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    p, took = _job(tmp_path, HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n", n)
     err = p.stderr
     assert p.returncode != 0, (p.stdout, err)
     reports = [ln for ln in err.splitlines() if "CollectiveMismatchError:" in ln]
@@ -108,11 +113,7 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
     where a rank is blocked inside a call its peer left, the job ends naming the disagreement
     within seconds. Never a hang until the timeout, never a wrong result, never MPI's own
     exception."""
-    script = tmp_path / "case.py"
-    script.write_text(CAUGHT.replace("CASE", CAUGHT_CASES[case]))
-    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
-    env.pop("MPICOMM_CHECK", None)
-    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    p, took = _job(tmp_path, CAUGHT.replace("CASE", CAUGHT_CASES[case]), n)
     out = p.stdout + p.stderr
     assert "did not complete within 60 s" not in out, out[-3000:]
     assert took < 40, took
@@ -150,11 +151,7 @@ def test_fresh_communicator_after_a_disagreement_is_watched(tmp_path, n):
     """The fresh communicator a disagreement leaves due is made at the group's next call
     (collective over the members): a rank that makes it while the others have left their
     script ends the job within seconds, naming them, as a call would (not an unwatched wait)."""
-    script = tmp_path / "case.py"
-    script.write_text(LEFT)
-    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
-    env.pop("MPICOMM_CHECK", None)
-    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    p, took = _job(tmp_path, LEFT, n)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     assert all(f"rank {r}: raised" in out for r in range(n)), out[-3000:]
@@ -185,11 +182,7 @@ def test_crossed_waits_end_the_job_naming_both_calls(tmp_path, case, n):
     for this rank: neither can go on. The job ends within seconds naming both calls (not at
     the timeout)."""
     code, words = CROSSED[case]
-    script = tmp_path / "case.py"
-    script.write_text(HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n")
-    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
-    env.pop("MPICOMM_CHECK", None)
-    p, took = run_job(mpirun_argv(n, str(script)), env, 120)
+    p, took = _job(tmp_path, HEAD + code + "\nprint(f'rank {r}: returned', flush=True)\n", n)
     err = p.stderr
     assert p.returncode != 0, (p.stdout, err)
     assert "neither can go on" in err and "on group 'world'" in err, err[-3000:]

@@ -37,7 +37,7 @@ class Standstills:
                                    f"the start of call {seq}, which rank(s) {', '.join(map(str, apart))} entered on "
                                    "the old one (the members decided differently on a fresh start)", waited)
 
-    def _crossed(self, g, b, e, s, now):
+    def _crossed(self, g, b, e, s, now, states):
         """Call ``e`` (ENTERED word) of ``g`` waits for a member that is blocked in a call of
         another group this rank is in, that this rank has not reached, and that needs every
         member (all_reduce, all_gather, reduce_scatter, all_to_all, barrier, creating or
@@ -49,7 +49,6 @@ class Standstills:
             self._peers_read = ((b, e), None, None)
         mine_gh = ghash(g.name)
         own = {int(p.m[bb - ENTERED + GHASH]): (gg, bb) for gg, bb in p.rows.items()}
-        states = p.read_peers([r for r in g.ranks if r != p.wrank])
         found = None
         for wr, st in states.items():
             if st is None or st[EXITED]:
@@ -88,11 +87,12 @@ class Standstills:
                                    or (pe & 15) == CREATE_GROUP else "") + ")")
         return self._fire_mismatch(g, e >> 4, why, now - s[1])
 
-    def _peer_exited(self, g, seq):
+    def _peer_exited(self, g, seq, states=None):
         """True when a rank of ``g`` has left its script without reaching call ``seq`` of ``g``
         (its window says so): the call can never complete."""
         gh = ghash(g.name)
-        states = self.progress.read_peers([r for r in g.ranks if r != self.progress.wrank])
+        if states is None:
+            states = self.progress.read_peers([r for r in g.ranks if r != self.progress.wrank])
         for st in states.values():
             if st is None or not st[EXITED]:
                 continue

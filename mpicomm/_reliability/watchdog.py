@@ -117,11 +117,13 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 s = seen.get(b)
                 if s is None or s[0] != e:
                     seen[b] = (e, now)
-                elif now - s[1] >= agr.WAIT_CHECK and self._disagreement(g, b, e >> 4, now - s[1]):
+                    continue
+                if now - s[1] >= agr.WAIT_CHECK and self._disagreement(g, b, e >> 4, now - s[1]):
                     return
-                elif now - s[1] >= EXIT_CHECK and self._crossed(g, b, e, s, now):
-                    return
-                elif now - s[1] >= self.timeout or (now - s[1] >= EXIT_CHECK and self._peer_exited(g, e >> 4)):
+                states = p.read_peers([r for r in g.ranks if r != p.wrank]) if now - s[1] >= EXIT_CHECK else None
+                if states is not None and self._crossed(g, b, e, s, now, states):
+                    return   # (one read of the members' windows for both findings)
+                if now - s[1] >= self.timeout or (states is not None and self._peer_exited(g, e >> 4, states)):
                     disp = getattr(g, "disp", None)
                     desc = disp.describe(e & 15) if disp is not None else "?"
                     self.fire(g, e >> 4, NAMES.get(e & 15, "?"), desc, now - s[1],
