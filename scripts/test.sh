@@ -129,7 +129,13 @@ for n in $ranks; do
 done
 # The MPI tests once more through the Python call path that the compiled one mirrors
 # (mpicomm/_native; MPICOMM_NATIVE=0), where the compiled one is in use: both stay tested.
-py_ranks=${MPICOMM_TEST_PYTHON_PATH_RANKS-$([ "$default_ranks" = "1 2 3 4" ] && echo 2)}
+if [ -n "${MPICOMM_TEST_PYTHON_PATH_RANKS+set}" ]; then
+    py_ranks=$MPICOMM_TEST_PYTHON_PATH_RANKS
+elif [ "$default_ranks" = "1 2 3 4" ]; then
+    py_ranks=2
+else
+    py_ranks=""
+fi
 if [ -n "$py_ranks" ] && "$py" -c "import sys, mpicomm._native as n; sys.exit(not n.active())" 2>/dev/null; then
     for n in $py_ranks; do
         echo "== MPI tests at $n rank(s) through the Python call path (MPICOMM_NATIVE=0)"
