@@ -62,6 +62,20 @@ def mpi_error(e, name, seq, group):
     return CommunicationError(f"{where} failed in MPI: {e}")
 
 
+def known_key(code, x, out, arg, async_op, stream):
+    """The key of a reusable prepared call in a dispatcher's ``known``, or None: calls with
+    per-rank sizes (prepared every time), an x without shape or dtype, an unhashable argument
+    (a shape type such as Paddle's)."""
+    if arg.__class__ is Sized:
+        return None
+    try:
+        key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role_of(x, out))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
 KNOWN_CALLS = 256  # prepared calls kept per group (they hold no arrays: checks and a bound NCCL/MPI call)
 
 
@@ -128,6 +142,8 @@ class Dispatcher(AgreementPaths):
         b = self.row
         if m[b + AT_POISON]:     # a peer's report, or this rank's own resync due
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
+            if self.last[code] is not p:   # a fresh communicator was made: p belongs to the old one
+                return self.run_new(seq, code, x, out, arg, async_op, stream)
         m[b] = v
         w = seq << 32 | p.sig
         m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
@@ -167,17 +183,9 @@ class Dispatcher(AgreementPaths):
         """``call`` for a signature other than the last one of this collective: a prepared
         call kept from earlier (least recently used out first), else a new one from the
         transport, which validates the call; then run as ``call`` runs it."""
-        key = None
-        if arg.__class__ is not Sized:   # (sized calls are prepared every time)
-            try:
-                key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role_of(x, out))
-                if not self.known:
-                    hash(key)
-                p = self.known.pop(key, None)
-            except (AttributeError, TypeError):   # no shape, or an unhashable argument (a shape
-                #                                   type such as Paddle's; pop() on an empty dict
-                #                                   does not hash, hence hash() there)
-                key = p = None
+        key = known_key(code, x, out, arg, async_op, stream)
+        if key is not None:
+            p = self.known.pop(key, None)
             if p is not None:
                 self.known[key] = p   # back in, as the most recently used
                 self.last[code] = p
@@ -185,11 +193,17 @@ class Dispatcher(AgreementPaths):
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
+        if self.mem[self.row + AT_POISON]:
+            self.poisoned(seq, code, (x, out, arg, async_op, stream))
+        return self.run_new(seq, code, x, out, arg, async_op, stream)
+
+    def run_new(self, seq, code, x, out, arg, async_op, stream):
+        """Call ``seq`` (numbered, a member's report handled) with a new prepared call: the
+        rest of ``call_new``, and where ``call``'s prepared call belonged to a communicator
+        replaced before it ran (a fresh one made at this call, after a disagreement)."""
         v = seq << 4 | code
         m = self.mem
         b = self.row
-        if m[b + AT_POISON]:
-            self.poisoned(seq, code, (x, out, arg, async_op, stream))
         m[b] = v
         try:
             # the entry stays the call in progress (the watchdog describes it); only
@@ -202,6 +216,7 @@ class Dispatcher(AgreementPaths):
             p.sig = sp.sig
             if p.cls is not None:
                 p.key = (p.cls, p.shape, p.dtype, p.arg, p.stream, p.async_op, p.role is NEW, p.role is IN_PLACE)
+                key = known_key(code, x, out, arg, async_op, stream)
                 if key is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:

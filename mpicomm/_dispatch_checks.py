@@ -33,6 +33,32 @@ class AgreementPaths:
         self.mem[self.row + AT_DONE] = seq << 4 | code
         self.disagree(seq, code, j, None) if pw & 0xFFFFFFFF != REFUSED else self.told(seq, j)
 
+    def check_waited(self, seq, name):
+        """Work.wait of async call ``seq`` (collective ``name``) completed here: the checks a
+        blocking call makes as it returns, so that no result of a call that differed leaves a
+        Work. A member's report about the call, then the host neighbours' words for ``seq``: a
+        member's word is published before its transport call starts, and this rank's call could
+        not complete before every member's had started, so the words are there to compare."""
+        if seq is None or seq <= self.raised:
+            return
+        code = next((c for c, n in NAMES.items() if n == name), 0)
+        if seq == self.seq:   # (no call since: the row's words are this call's, as after a blocking one)
+            if self.mem[self.row + AT_POISON]:
+                self.poisoned_after(seq, code)
+        if self.shr is None:
+            return
+        w = self.mem[self.cb + (seq & 255)]
+        if w >> 32 != seq:
+            return
+        k = seq & 7
+        for pm, pb, j in self.peers:
+            pw = pm[pb + k]
+            if pw != w and pw >> 32 == seq:
+                if seq == self.seq:
+                    self.differs(seq, code, j, pw)
+                elif pw & 0xFFFFFFFF != REFUSED:   # (later calls made since: DONE is theirs)
+                    self.disagree(seq, code, j, None)
+
     def _me(self):
         """'rank 3', or 'rank 3 (rank 1 of group 'g')' in a group that is not the world."""
         g = self.group

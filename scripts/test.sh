@@ -12,8 +12,9 @@
 # with the reason in the summary; MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
 # With --full the MPI tests also run once at 2 ranks through the Python call path
 # (MPICOMM_NATIVE=0) where the compiled one is built.
-# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=3 (processes for
-#              the serial tests; 1: one), MPICOMM_TEST_TIMEOUT (s per run;
+# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=2 (processes for
+#              the serial tests; 1: one), MPICOMM_TEST_SERIAL=0 (skip the serial stage: only
+#              the MPI stages run), MPICOMM_TEST_TIMEOUT (s per run;
 #              default 1500 for the serial run, 600 for each MPI run),
 #              MPICOMM_TEST_PYTHON_PATH_RANKS (rank counts through the Python call path;
 #              default 2 with --full, none without), MPICOMM_TEST_PEAK_MB=2048 (warn when one process peaks above it),
@@ -90,15 +91,17 @@ stage() {
     echo "== $name: $verdict in ${secs}s, peak $peak MB in one process"
 }
 
-echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
-# The serial tests mostly wait for the jobs they start (timeouts, reports): run in
-# MPICOMM_TEST_JOBS processes (default 3; pytest-xdist), a test file per process at a time.
-jobs=${MPICOMM_TEST_JOBS:-3}
-par=()
-if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
-    par=(-n "$jobs" --dist loadfile)
+if [ "${MPICOMM_TEST_SERIAL:-1}" != 0 ]; then
+    echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
+    # The serial tests mostly wait for the jobs they start (timeouts, reports): run in
+    # MPICOMM_TEST_JOBS processes (default 2; pytest-xdist), a test file per process at a time.
+    jobs=${MPICOMM_TEST_JOBS:-2}
+    par=()
+    if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
+        par=(-n "$jobs" --dist loadfile)
+    fi
+    stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 fi
-stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 
 # bash -c "$per_rank" DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
 per_rank='r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}

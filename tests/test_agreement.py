@@ -272,3 +272,30 @@ def test_refused_on_every_rank_many_times(multi):
             calls[i % 3]()
         if i % 50 == 49:
             _verify(n, r, 5000 + i)
+
+
+@pytest.mark.parametrize("async_op", [True, False])
+def test_repeated_disagreements_then_calls_of_known_shapes(multi, async_op):
+    """Disagreements caught over and over (the rank that differs rotates: another element count
+    for async calls, another dtype of the same size for blocking ones, which complete at any rank
+    count), each followed by calls of shapes the group has made before: where the group makes a
+    fresh communicator, the calls after it run on it, never on a prepared call of the old one
+    (whose abandoned requests would swallow or truncate their messages); an async call that
+    differed never returns its result from Work.wait without raising."""
+    n, r = multi
+
+    def case(k):
+        rng = np.random.default_rng([r, k])
+        if async_op:
+            return mpicomm.all_reduce(rng.standard_normal(5 if r == k % n else 4).astype(np.float32),
+                                      async_op=True).wait()
+        return mpicomm.all_reduce((rng.standard_normal(4) * 100).astype(np.int32 if r == k % n else np.float32))
+
+    for k in range(3 * n):
+        err = _run_case(n, r, lambda: case(k), 7000 + 10 * k)
+        assert isinstance(err, CollectiveMismatchError), (k, err)
+        for j in range(3):   # shapes made before: prepared calls kept from earlier iterations
+            parts = [np.random.default_rng([q, k, j]).standard_normal(7) for q in range(n)]
+            got = mpicomm.all_reduce(parts[r], async_op=async_op)
+            got = got.wait() if async_op else got
+            np.testing.assert_allclose(got, np.sum(parts, axis=0), rtol=1e-12)

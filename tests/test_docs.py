@@ -192,3 +192,17 @@ def test_documented_command_runs(doc, line, cmd, before, workdir):
     p = subprocess.run(["bash", "-c", script], cwd=cwd, env=_env(), capture_output=True, text=True,
                        timeout=LIMIT, errors="replace")
     assert p.returncode == 0, f"{doc}:{line}: {cmd}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+
+
+def test_ci_runs_the_readme_test_command_word_for_word():
+    """.ci/run runs the Quick start's test command exactly as the README writes it (no extra
+    flags): what CI proves green is what a newcomer runs."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmds = [ln.split("#", 1)[0].strip() for ln in quick.splitlines() if ln.split("#", 1)[0].strip()]
+    assert len(cmds) == 2, cmds   # the main job and the test suite, nothing else
+    test_cmd = next(c for c in cmds if "test" in c)
+    ci = [ln.strip() for ln in open(os.path.join(ROOT, ".ci", "run")) if ln.strip() and not ln.lstrip().startswith("#")]
+    assert test_cmd in ci, (test_cmd, ci)
+    # and before any other test stage: the README's command comes first
+    assert ci.index(test_cmd) < min(i for i, ln in enumerate(ci) if "test.sh" in ln and ln != test_cmd)

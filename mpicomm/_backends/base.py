@@ -63,7 +63,9 @@ def complete_dropped():
     CollectiveTimeoutError (with the diagnosis) here, in the call that came next, as
     ``wait()`` would have: the group cannot go on, and left uncaught it ends the job."""
     while _dropped:
-        _dropped.pop(0).wait()
+        w = _dropped.pop(0)
+        if not w._done:
+            w._complete(None, False)
 
 
 # Works of async sends and receives (send/recv/sendrecv with async_op=True) that the caller
@@ -262,18 +264,31 @@ class Work:
         if timeout is not None and (timeout.__class__ is not float or not timeout >= 0):
             timeout = _timeout_arg(timeout)
         if not self._done:
-            if timeout is None:
-                timeout = Work.default_timeout
-            try:
-                self._block(timeout)
-            except Exception as e:
-                disp = self._disp()
-                if type(e).__module__ != "mpi4py.MPI" or disp is None:
-                    raise
-                self._done = True   # (over, in error: MPI's message, as the call's error)
-                disp.raise_in_wait(self._seq, self._what[0], e)
-            self._finish()
+            self._complete(timeout, True)
         return self._result
+
+    def _complete(self, timeout, check):
+        """Block until done (``timeout`` None: init's), then finish. ``check``: first the
+        agreement check's comparison of the call with the members', as a blocking call makes it
+        as it returns (a dropped Work, whose result nobody reads, is not checked)."""
+        if timeout is None:
+            timeout = Work.default_timeout
+        disp = self._disp()
+        try:
+            self._block(timeout)
+        except Exception as e:
+            if type(e).__module__ != "mpi4py.MPI" or disp is None:
+                raise
+            self._done = True   # (over, in error: MPI's message, as the call's error)
+            disp.raise_in_wait(self._seq, self._what[0], e)
+        if check and disp is not None and disp.check:
+            try:
+                disp.check_waited(self._seq, self._what[0])
+            except Exception:
+                self._done = True   # (over: its result is not the call's)
+                self._result = None
+                raise
+        self._finish()
 
     def _disp(self):
         """The dispatcher of this Work's collective (None for a send or recv, or unknown)."""

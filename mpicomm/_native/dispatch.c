@@ -21,7 +21,7 @@ static Py_ssize_t at_done = 0, at_poison = 0, at_hist = 0, at_ckpt = 0, ck_end =
 static int configured = 0;
 
 static PyObject *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned, *s_poisoned_after, *s_differs,
-    *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__;
+    *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__, *s_run_new;
 
 int dispatch_init(PyObject *m)
 {
@@ -29,6 +29,7 @@ int dispatch_init(PyObject *m)
     INTERN(s_py_call, "py_call"); INTERN(s_poisoned, "poisoned"); INTERN(s_poisoned_after, "poisoned_after");
     INTERN(s_differs, "differs"); INTERN(s_raise_in_call, "raise_in_call"); INTERN(s__group, "_group");
     INTERN(s__seq, "_seq"); INTERN(s__watch, "_watch"); INTERN(s___class__, "__class__");
+    INTERN(s_run_new, "run_new");
     return 0;
 }
 
@@ -142,7 +143,9 @@ static PyObject *py_call(PyObject *self, PyObject *const *args)
 
 /* The call's words before it runs: its number (the seq slot, returned as *seqo, borrowed), a
  * report word looked at, ENTERED, the ring of calls, the host's ring, the flight recorder's
- * entry. 0, or -1 with an error (after the number was taken, as in the Python path). */
+ * entry. 0, 1 when the report's handling replaced the communicator (nothing more published:
+ * the call goes on in run_new), or -1 with an error (after the number was taken, as in the
+ * Python path). */
 typedef struct {
     int64_t *m;
     long long b, cb, seq;
@@ -185,6 +188,11 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
         if (t == NULL)
             return -1;
         Py_DECREF(t);
+        PyObject *last = SLOT(self, S_LAST);
+        long ci = PyLong_AsLong(code);
+        if (last == NULL || !PyList_CheckExact(last) || ci < 0 || ci >= PyList_GET_SIZE(last)
+            || PyList_GET_ITEM(last, ci) != p)
+            return 1;   /* a fresh communicator was made: p belongs to the old one (run_new) */
         if (!(c->m = words(SLOT(self, S_MEM), &nm)) || c->b + at_poison >= nm || c->b + ck_end >= nm
             || c->cb + 256 > nm) {
             PyErr_SetString(PyExc_ValueError, "mpicomm: the group's progress words are gone");
@@ -328,8 +336,13 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
             goto done;
         Py_DECREF(t);
     }
-    if (enter(self, &c, p, args, sig, &seqo) < 0)
+    int entered = enter(self, &c, p, args, sig, &seqo);
+    if (entered < 0)
         goto done;
+    if (entered == 1) {   /* the rest with a new prepared call, as the Python path */
+        r = PyObject_CallMethodObjArgs(self, s_run_new, seqo, args[0], args[1], args[2], args[3], args[4], args[5], NULL);
+        goto done;
+    }
     r = PyObject_Vectorcall(run, args + 1, 2, NULL);   /* run(x, out) */
     if (r == NULL) {   /* the call is over on this rank: published as raised */
         raised(self, c.seq, args[0]);
