@@ -267,7 +267,10 @@ class Dispatcher(AgreementPaths):
         if type(e).__module__ == "mpi4py.MPI":   # MPI's own error: say which call it was
             m[b + AT_DONE] = v
             err = mpi_error(e, NAMES[code], seq, self.group.name)
-            if isinstance(err, CollectiveMismatchError) and self.check:
+            # (with the check on, told to the members whatever MPI's error class: a failed
+            # nonblocking schedule says MPI_ERR_OTHER on some ranks where others say truncated,
+            # and every member must take the same way out, the fresh communicator included)
+            if self.check and self.group.size > 1 and seq > self.raised:
                 w = m[self.cb + (seq & 255)]
                 k = seq & 7
                 other = next((j for pm, pb, j in self.peers
@@ -288,7 +291,7 @@ class Dispatcher(AgreementPaths):
         ``raise_in_call`` does for a blocking call). ``name``: the collective's."""
         code = next((c for c, n in NAMES.items() if n == name), 0)
         err = mpi_error(e, name, seq, self.group.name)
-        if seq > self.raised and isinstance(err, CollectiveMismatchError) and self.check:
+        if seq > self.raised and self.check and self.group.size > 1:   # (any class: as raise_in_call)
             w = self.mem[self.cb + (seq & 255)]
             other = next((j for pm, pb, j in self.peers if pm[pb + (seq & 7)] != w and pm[pb + (seq & 7)] >> 32 == seq),
                          None) if self.shr is not None else None

@@ -122,8 +122,8 @@ class AgreementPaths:
 
     def _decision_wait(self):
         """Seconds to wait for a reporter's final words and its decision on a fresh
-        communicator (on MPI the members must decide alike; NCCL only needs the words)."""
-        return SPEC_WAIT + 0.5 if hasattr(self.plain(), "nccl") else STAND_IN_WAIT + 2
+        communicator (the members must decide alike, on MPI and on NCCL's host arrays)."""
+        return STAND_IN_WAIT + 2
 
     def _answer(self, k):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
@@ -154,7 +154,7 @@ class AgreementPaths:
         from ._reliability.agreement import poison_word
 
         self._raised_here(seq)   # (published: the comparison across hosts passes over it)
-        if entered and not hasattr(self.plain(), "nccl") and self.rel is not None:
+        if entered and self.rel is not None:   # (NCCL: host arrays' MPI communicator afresh)
             self.resync = True
             if not self.mem[self.row + AT_POISON]:   # (a member's report there brings the next call here too)
                 self.mem[self.row + AT_POISON] = poison_word(seq, self.group.ranks[self.group.rank])
@@ -189,8 +189,10 @@ class AgreementPaths:
             calls.append(f"rank {wr}: {other}{what}")
             if sw is not None and mine is not None:
                 fresh = fresh or not _same_bytes(mine, PeerSpec(sw)) or PeerSpec(sw).started
-        elif err is not None:
+        elif isinstance(err, CollectiveMismatchError):
             calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
+        elif err is not None:
+            calls.append(f"MPI's error in the call: {err}")
         text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
                 + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
                 "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
@@ -389,7 +391,7 @@ class AgreementPaths:
         decided = None
         if not word & ACROSS:
             decided = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-            if decided[1] and not hasattr(self.plain(), "nccl"):
+            if self._fresh(decided[1], k):
                 self._raised_here(k)
                 self._resync_now(seq, code)
         m[b] = seq << 4 | code
@@ -406,14 +408,24 @@ class AgreementPaths:
                 self._after(k, False)
             else:
                 reason, resync = decided
-                self._after(k, resync is None and self._late_decision(who))
+                self._after(k, resync is None and self._fresh(self._late_decision(who), k))
                 if reason:
                     err.args = (reason + late,)
 
     def _late_decision(self, who):
         """The decision of reporter ``who`` that was not there in time before this rank's
-        refusal: read once more (a fresh communicator at this rank's next call)."""
-        return bool(self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())[1])
+        refusal: read once more (a fresh communicator at this rank's next call); None when
+        still undecided."""
+        return self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())[1]
+
+    def _fresh(self, decision, k):
+        """Whether the group makes a fresh communicator after call ``k``: the reporter's
+        ``decision``, or where it was not published in time, the decision every reporter makes
+        for an async call (its request may stay pending: always afresh)."""
+        if decision is not None:
+            return bool(decision)
+        sp = self.spec_for(k)
+        return sp is not None and bool(sp.words()[0] & ASYNC)
 
     def told(self, seq, j):
         """Group rank ``j`` refused call ``seq``, which this rank has made: raise its report
@@ -424,7 +436,7 @@ class AgreementPaths:
         m, b = self.mem, self.row
         if m[b + AT_POISON] and (m[b + AT_POISON] >> 24) == seq:
             m[b + AT_POISON] = 0
-        self._after(seq, bool(resync))
+        self._after(seq, self._fresh(resync, seq))
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
     def poisoned_after(self, seq, code):
@@ -445,7 +457,7 @@ class AgreementPaths:
                                "hosts") + f" [raised after call {k}, on every rank of the group]")
         self._answer(k)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
-        self._after(k, bool(resync))
+        self._after(k, self._fresh(resync, k))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 
 

@@ -507,6 +507,19 @@ def test_refusal_on_one_rank_stands_in(cp):
     _run_case(n, r, lambda: mpicomm.all_reduce(y), 3300, returns_ok=lambda res: True)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [True, False])
+def test_host_array_disagreements_on_the_nccl_backend(cp, async_op):
+    """Host (NumPy) arrays on the NCCL backend go through MPI: disagreements on them, caught
+    over and over, leave that MPI communicator as on the MPI backend: afresh at the next
+    call, so that no request of a failed call is left to swallow a later one's messages
+    (an async call after a caught async disagreement waited until the timeout)."""
+    from test_agreement import test_repeated_disagreements_then_calls_of_known_shapes as repeated
+
+    if not mpicomm._state.CTX.check:
+        pytest.skip("the agreement check is off (MPICOMM_CHECK=0)")
+    repeated((mpicomm.get_group_size(), mpicomm.get_rank()), async_op)
+
 def test_the_double_refuses_what_nccl_would(cp):
     """The double's own checks, which keep the tests above honest: a count past the end of
     an allocation, a host pointer, overlapping buffers and a receive of the wrong size."""

@@ -300,24 +300,26 @@ class Work:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         check = start + DEPARTED_CHECK    # then: has a rank this waits for left its script?
+        disp = self._disp()
         spins = 0
         while not self._poll():
             spins += 1
             if spins & 255 == 0:
+                # a member's report about the call (its report word: one load): the call will
+                # not complete, and the members go on once this rank has raised it too
+                if disp is not None:
+                    try:
+                        disp.report_in_wait(self._seq, self._what[0])
+                    except Exception:
+                        self._done = True   # (left: its reporter left the call)
+                        _abandoned.append(self)
+                        raise
                 now = time.monotonic()
                 if deadline is not None and now > deadline:
                     self._timed_out(timeout)
                 if now > check and self._watch is not None:
                     check = now + DEPARTED_CHECK
                     self._watch.work_departed(self.description, now - start)  # reports and ends the job
-                    disp = self._disp()
-                    if disp is not None:   # a member's report about the call: it will not complete
-                        try:
-                            disp.report_in_wait(self._seq, self._what[0])
-                        except Exception:
-                            self._done = True   # (left: its reporter left the call)
-                            _abandoned.append(self)
-                            raise
                 self._idle()
 
     def _idle(self):

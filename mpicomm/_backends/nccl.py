@@ -175,6 +175,16 @@ class NCCLTransport(GPUArrays, StagedTags):
         self.tagged.close()
         self.host.close()
 
+    def fresh_host(self, mpi_comm):
+        """Host arrays' MPI transport over ``mpi_comm``: the group's fresh communicator after a
+        disagreement (what the failed call left pending stays in the old one). The NCCL
+        communicator stays: NCCL has no way to make a fresh one but a whole new init."""
+        old, oldt = self.host, self.tagged
+        self.host = MPITransport(mpi_comm)
+        self.tagged = TaggedP2P(self.host)
+        oldt.close()
+        old.close()
+
     def abort(self):
         """Abort the NCCL communicator (the watchdog, or an error aborting the job): a later
         call raises CommunicationError instead of waiting on a communicator that is gone."""

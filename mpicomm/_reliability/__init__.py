@@ -86,13 +86,16 @@ class Reliability:
         spare = self._spares.get(id(g))
         new = (spare if spare is not None else g.mpi_comm).Dup()
         g.mpi_comm = new
-        g.transport = self.ctx.backend.make_transport(new)
         d = g.disp
-        d.transport = self.wrap(g.transport, g)
         from .._backends.base import NEVER
 
         d.last = [NEVER] * len(d.last)
         d.known.clear()
+        if hasattr(old_t, "fresh_host"):   # NCCL: host arrays' MPI transport afresh, the NCCL
+            old_t.fresh_host(new)          # communicator kept
+            return
+        g.transport = self.ctx.backend.make_transport(new)
+        d.transport = self.wrap(g.transport, g)
         try:
             old_t.close()
         except Exception:
