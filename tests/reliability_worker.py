@@ -423,13 +423,19 @@ def load():
     for k in range(n):
         total += xp.asarray(np.random.default_rng([k, 1]).integers(-1000, 1000, m).astype(np.float32))
     out = xp.empty_like(big)
+    # one element every 16 KiB changes at every step (smaller than any piece a transport splits
+    # the message into: the shared-memory path's pieces are 64 KiB or more), so that a stale
+    # piece anywhere in the result would show
+    marks = xp.arange(0, m, 4096)
+    pattern = marks // 4096 % 13
     rss1 = None
     for i in range(256):
         if i == 8:
             rss1 = statm_rss()
-        big[0] = i + r  # a value that changes every step, so stale data would show
+        big[marks] = (pattern + i + r).astype(xp.float32)
+        total[marks] = (n * (pattern + i) + sum(range(n))).astype(xp.float32)
         got = mpicomm.all_reduce(big, out=out)
-        ok = bool((got[1:] == total[1:]).all()) and float(got[0]) == sum(i + k for k in range(n))
+        ok = bool((got == total).all())
         bad += not ok
     rss_big = statm_rss()
     say(f"bad={bad} rss_growth_small={rss_small - rss0} rss_growth_big={rss_big - rss1} "
@@ -445,28 +451,42 @@ def _np(a):
 
 
 def bigcount():
-    """all_reduce (in place) and broadcast of 2**31 + 5 int8 elements (2 GiB a rank), values
-    checked piece by piece, so that a rank holds little more than its 2 GiB array."""
+    """all_reduce (in place) and broadcast of 2**31 + 5 int8 elements (2 GiB a rank), which go
+    in the pieces of mpicomm._backends.bigcount (CHUNK elements each): rank-dependent random
+    values at the first, middle and last element of every piece, a rank-dependent fill
+    elsewhere, every element checked, in steps, so that a rank holds little more than its
+    2 GiB array."""
     import mpicomm
+    from mpicomm._backends.bigcount import CHUNK
 
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
     count = 2 ** 31 + 5
+    bounds = [(lo, min(count, lo + CHUNK)) for lo in range(0, count, CHUNK)]
+    marks = np.array(sorted({i for lo, hi in bounds for i in (lo, (lo + hi) // 2, hi - 1)}))
+
+    def at_marks(k, salt):   # rank k's values at the marks (the sum over the ranks fits int8)
+        return np.random.default_rng([k, salt]).integers(-100 // n, 100 // n, marks.size).astype(np.int8)
+
+    def fill_ok(x, want):    # every element but the marks is ``want``, checked 64 MiB at a time
+        kept = x[marks]
+        x[marks] = want
+        step = 1 << 26
+        ok = all(bool((x[lo:lo + step] == want).all()) for lo in range(0, count, step))
+        x[marks] = kept
+        return ok
+
     x = np.empty(count, np.int8)
     x[:] = r + 1
-    x[-3:] = [r, 2 * r, -r]
-    x[2 ** 31 - 1] = 3 * r
+    x[marks] = at_marks(r, 1)
     y = mpicomm.all_reduce(x, out=x)
-    want_fill = sum(k + 1 for k in range(n))
-    step = 1 << 26
-    fill_ok = all(bool((x[lo:min(lo + step, 2 ** 31 - 1)] == want_fill).all()) for lo in range(0, 2 ** 31 - 1, step))
-    ok = (y is x and x.shape == (count,) and int(x[0]) == want_fill and int(x[2 ** 30]) == want_fill
-          and list(map(int, x[-3:])) == [sum(range(n)), 2 * sum(range(n)), -sum(range(n))]
-          and int(x[2 ** 31 - 1]) == 3 * sum(range(n)) and fill_ok)
+    want = np.sum([at_marks(k, 1).astype(np.int64) for k in range(n)], axis=0)
+    ok = (y is x and x.shape == (count,) and np.array_equal(x[marks], want)
+          and fill_ok(x, sum(k + 1 for k in range(n))))
     x[:] = r
-    x[-1] = 7 + r
+    x[marks] = at_marks(r, 2)
     mpicomm.broadcast(x, root=n - 1)
-    ok2 = int(x[0]) == n - 1 and int(x[-1]) == 7 + n - 1 and int(x[2 ** 31 + 1]) == n - 1
-    say(f"allreduce_ok={ok} broadcast_ok={ok2}")
+    ok2 = np.array_equal(x[marks], at_marks(n - 1, 2)) and fill_ok(x, n - 1)
+    say(f"pieces={len(bounds)} allreduce_ok={ok} broadcast_ok={ok2}")
 
 
 if __name__ == "__main__":
