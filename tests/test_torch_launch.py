@@ -6,8 +6,9 @@ import re
 
 import pytest
 from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
+from launch_support import TORCH, require_module
 
-pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
+require_module("torch", TORCH)
 
 
 def _run(args, timeout=300):

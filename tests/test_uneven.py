@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mpicomm
+from launch_support import TORCH, require_module
 from mpicomm import ReduceOp
 from mpicomm._ops import ALL_GATHER
 from test_collectives import BF16, close, data, in_group, members, outside, pick, reduce_np, run, subgroup  # noqa: F401
@@ -93,7 +94,7 @@ def test_all_gather_sizes_reuses_its_prepared_call(comm, request):
 
 
 def test_all_gather_all_zero_and_torch_cpu(comm, request):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     got = mpicomm.all_gather(np.zeros((0, 4), np.float64), sizes=[0] * n)
     assert got.shape == (0, 4)
@@ -270,7 +271,7 @@ def test_scatter_out_on_root_and_torch(comm, request):
         close(part, full[:sizes[0]], np.float32)
     else:
         mpicomm.scatter(None, 0, out=out, sizes=sizes)
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     t = torch.from_numpy(full) if r == 0 else None
     got = mpicomm.scatter(t, 0, sizes="auto") if sum(sizes) % n == 0 else None
     if got is not None:
