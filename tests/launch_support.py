@@ -43,6 +43,8 @@ def require(why):
 
 
 TORCH = "PyTorch is not installed (scripts/_env.sh installs the CPU build)"
+SKLEARN = "scikit-learn is not installed (in the test extra: pip install -e '.[test]')"
+MATPLOTLIB = "matplotlib is not installed (in the test extra: pip install -e '.[test]')"
 
 
 def require_module(name, why):
