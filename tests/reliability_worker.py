@@ -355,11 +355,12 @@ def main():
         say("finished")
     elif MODE == "sigusr1":  # every rank idles after a call; the test signals mpirun with SIGUSR1
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
-        say("ready")
         stack = os.path.join(os.environ["MPICOMM_TRACE_DIR"], f"mpicomm-stack.rank{r}.txt")
         t0 = time.monotonic()
+        ready = "ready"   # said from inside lagging_here: the test signals once every rank is there
         while not os.path.exists(stack) and time.monotonic() - t0 < 60:
-            lagging_here(0.05)
+            lagging_here(0.05, ready)
+            ready = None
         time.sleep(0.5)
         say("dumped", os.path.exists(stack))
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
@@ -374,8 +375,11 @@ def main():
         raise SystemExit(f"unknown mode {MODE}")
 
 
-def lagging_here(seconds):
-    """Sleep; the name shows in this rank's Python stack in a peer's timeout report."""
+def lagging_here(seconds, announce=None):
+    """Sleep; the name shows in this rank's Python stack in a peer's timeout report.
+    ``announce``: a result line to say first, from inside this function."""
+    if announce:
+        say(announce)
     time.sleep(seconds)
 
 
