@@ -8,8 +8,9 @@
 #   scripts/test.sh                 the serial tests, the MPI tests at 2 and 3 ranks
 #   scripts/test.sh --full          the MPI tests at 1, 2, 3 and 4 ranks (CI)
 #   scripts/test.sh -k all_reduce   other arguments go to every pytest run
-# Tests that need sshd and network namespaces (two-host jobs) skip where those are missing,
-# with the reason in the summary; MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
+# Tests that need sshd and network namespaces (two-host jobs), PyTorch, scikit-learn or
+# matplotlib skip where those are missing, with the reason in the summary;
+# MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
 # With --full the MPI tests also run once at 2 ranks through the Python call path
 # (MPICOMM_NATIVE=0) where the compiled one is built.
 # Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=2 (processes for

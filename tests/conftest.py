@@ -158,3 +158,15 @@ def run_job(argv, env, timeout, cwd=None):
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(argv, timeout, output=job_text(out), stderr=job_text(err)) from None
     return subprocess.CompletedProcess(argv, proc.returncode, job_text(out), job_text(err)), time.monotonic() - t0
+
+
+def left_behind(pattern, within=30.0):
+    """The processes (``pgrep -af`` lines) whose command line matches ``pattern`` that are
+    still running after up to ``within`` s of waiting for them to go, "" when none are: a
+    job's ranks and daemons may take a moment to exit after its launcher has returned."""
+    deadline = time.monotonic() + within
+    while True:
+        left = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.strip()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)

@@ -1,5 +1,7 @@
-"""Helpers for the tests that start their own mpirun (launcher, doctor, two-host job)."""
+"""Helpers for the tests that start their own mpirun (launcher, doctor, two-host job), and
+``require``/``require_module`` for any test's prerequisites."""
 import contextlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -31,12 +33,27 @@ STRICT = os.environ.get("MPICOMM_TEST_STRICT", "0") not in ("", "0")
 
 
 def require(why):
-    """In a test body: skip with ``why`` where it is not None (fail under MPICOMM_TEST_STRICT=1)."""
+    """In a test body or at a test module's top level: skip with ``why`` where it is not None
+    (fail under MPICOMM_TEST_STRICT=1)."""
     if why is None:
         return
     if STRICT:
         pytest.fail(f"prerequisite missing under MPICOMM_TEST_STRICT=1: {why}", pytrace=False)
-    pytest.skip(f"{why} (MPICOMM_TEST_STRICT=1 fails instead)")
+    pytest.skip(f"{why} (MPICOMM_TEST_STRICT=1 fails instead)", allow_module_level=True)
+
+
+TORCH = "PyTorch is not installed (scripts/_env.sh installs the CPU build)"
+SKLEARN = "scikit-learn is not installed (in the test extra: pip install -e '.[test]')"
+MATPLOTLIB = "matplotlib is not installed (in the test extra: pip install -e '.[test]')"
+
+
+def require_module(name, why):
+    """The module ``name``, imported; where it cannot be, ``require(why)``: a skip, or a
+    failure under MPICOMM_TEST_STRICT=1 (CI installs PyTorch and the test extra)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        require(f"{why}: {e}")
 
 
 def clean_mpi_env(extra=None, drop=()):

@@ -203,8 +203,9 @@ def main():
                      lambda: mpicomm.broadcast(good, root=0) if r == 0 else mpicomm.all_reduce(good))
         expect_error(mpicomm.CollectiveMismatchError,
                      lambda: mpicomm.all_reduce(good, op="sum" if r else "max"))
-        res = mpicomm.all_reduce(good)  # still usable after the errors
-        say("after", float(res.sum()) == float(res.sum()))
+        res = mpicomm.all_reduce(good)  # still usable after the errors: every rank's `good` summed
+        want = sum(np.random.default_rng([k, 7]).standard_normal(6).astype(np.float32) for k in range(n))
+        say("after", bool(np.allclose(_np(res), want, rtol=1e-5, atol=1e-6)))
     elif MODE == "other_collective":  # the last rank calls barrier where the others all_reduce
         x = arr(rng.standard_normal(4).astype(np.float32))
         mpicomm.all_reduce(x)
@@ -354,11 +355,12 @@ def main():
         say("finished")
     elif MODE == "sigusr1":  # every rank idles after a call; the test signals mpirun with SIGUSR1
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
-        say("ready")
         stack = os.path.join(os.environ["MPICOMM_TRACE_DIR"], f"mpicomm-stack.rank{r}.txt")
         t0 = time.monotonic()
+        ready = "ready"   # said from inside lagging_here: the test signals once every rank is there
         while not os.path.exists(stack) and time.monotonic() - t0 < 60:
-            lagging_here(0.05)
+            lagging_here(0.05, ready)
+            ready = None
         time.sleep(0.5)
         say("dumped", os.path.exists(stack))
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
@@ -373,8 +375,11 @@ def main():
         raise SystemExit(f"unknown mode {MODE}")
 
 
-def lagging_here(seconds):
-    """Sleep; the name shows in this rank's Python stack in a peer's timeout report."""
+def lagging_here(seconds, announce=None):
+    """Sleep; the name shows in this rank's Python stack in a peer's timeout report.
+    ``announce``: a result line to say first, from inside this function."""
+    if announce:
+        say(announce)
     time.sleep(seconds)
 
 
@@ -422,13 +427,19 @@ def load():
     for k in range(n):
         total += xp.asarray(np.random.default_rng([k, 1]).integers(-1000, 1000, m).astype(np.float32))
     out = xp.empty_like(big)
+    # one element every 16 KiB changes at every step (smaller than any piece a transport splits
+    # the message into: the shared-memory path's pieces are 64 KiB or more), so that a stale
+    # piece anywhere in the result would show
+    marks = xp.arange(0, m, 4096)
+    pattern = marks // 4096 % 13
     rss1 = None
     for i in range(256):
         if i == 8:
             rss1 = statm_rss()
-        big[0] = i + r  # a value that changes every step, so stale data would show
+        big[marks] = (pattern + i + r).astype(xp.float32)
+        total[marks] = (n * (pattern + i) + sum(range(n))).astype(xp.float32)
         got = mpicomm.all_reduce(big, out=out)
-        ok = bool((got[1:] == total[1:]).all()) and float(got[0]) == sum(i + k for k in range(n))
+        ok = bool((got == total).all())
         bad += not ok
     rss_big = statm_rss()
     say(f"bad={bad} rss_growth_small={rss_small - rss0} rss_growth_big={rss_big - rss1} "
@@ -444,28 +455,42 @@ def _np(a):
 
 
 def bigcount():
-    """all_reduce (in place) and broadcast of 2**31 + 5 int8 elements (2 GiB a rank), values
-    checked piece by piece, so that a rank holds little more than its 2 GiB array."""
+    """all_reduce (in place) and broadcast of 2**31 + 5 int8 elements (2 GiB a rank), which go
+    in the pieces of mpicomm._backends.bigcount (CHUNK elements each): rank-dependent random
+    values at the first, middle and last element of every piece, a rank-dependent fill
+    elsewhere, every element checked, in steps, so that a rank holds little more than its
+    2 GiB array."""
     import mpicomm
+    from mpicomm._backends.bigcount import CHUNK
 
     r, n = mpicomm.get_rank(), mpicomm.get_group_size()
     count = 2 ** 31 + 5
+    bounds = [(lo, min(count, lo + CHUNK)) for lo in range(0, count, CHUNK)]
+    marks = np.array(sorted({i for lo, hi in bounds for i in (lo, (lo + hi) // 2, hi - 1)}))
+
+    def at_marks(k, salt):   # rank k's values at the marks (the sum over the ranks fits int8)
+        return np.random.default_rng([k, salt]).integers(-100 // n, 100 // n, marks.size).astype(np.int8)
+
+    def fill_ok(x, want):    # every element but the marks is ``want``, checked 64 MiB at a time
+        kept = x[marks]
+        x[marks] = want
+        step = 1 << 26
+        ok = all(bool((x[lo:lo + step] == want).all()) for lo in range(0, count, step))
+        x[marks] = kept
+        return ok
+
     x = np.empty(count, np.int8)
     x[:] = r + 1
-    x[-3:] = [r, 2 * r, -r]
-    x[2 ** 31 - 1] = 3 * r
+    x[marks] = at_marks(r, 1)
     y = mpicomm.all_reduce(x, out=x)
-    want_fill = sum(k + 1 for k in range(n))
-    step = 1 << 26
-    fill_ok = all(bool((x[lo:min(lo + step, 2 ** 31 - 1)] == want_fill).all()) for lo in range(0, 2 ** 31 - 1, step))
-    ok = (y is x and x.shape == (count,) and int(x[0]) == want_fill and int(x[2 ** 30]) == want_fill
-          and list(map(int, x[-3:])) == [sum(range(n)), 2 * sum(range(n)), -sum(range(n))]
-          and int(x[2 ** 31 - 1]) == 3 * sum(range(n)) and fill_ok)
+    want = np.sum([at_marks(k, 1).astype(np.int64) for k in range(n)], axis=0)
+    ok = (y is x and x.shape == (count,) and np.array_equal(x[marks], want)
+          and fill_ok(x, sum(k + 1 for k in range(n))))
     x[:] = r
-    x[-1] = 7 + r
+    x[marks] = at_marks(r, 2)
     mpicomm.broadcast(x, root=n - 1)
-    ok2 = int(x[0]) == n - 1 and int(x[-1]) == 7 + n - 1 and int(x[2 ** 31 + 1]) == n - 1
-    say(f"allreduce_ok={ok} broadcast_ok={ok2}")
+    ok2 = np.array_equal(x[marks], at_marks(n - 1, 2)) and fill_ok(x, n - 1)
+    say(f"pieces={len(bounds)} allreduce_ok={ok} broadcast_ok={ok2}")
 
 
 if __name__ == "__main__":

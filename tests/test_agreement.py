@@ -4,7 +4,7 @@ each rank's call named, and the group goes on.
 The contract these tests hold every case to (docs/RELIABILITY.md, "Agreement check"):
 every rank raises in the disagreeing call or, where it had already returned before the
 report came (a root whose broadcast was over), in its next call of the group; no rank
-returns a wrong result without raising; each rank raises within seconds (LIMIT); and the call after
+returns a wrong result without raising; each rank raises within seconds (_limit()); and the call after
 that returns correct results on every rank (nothing of the failed call is left over).
 Cases that end the job instead (a rank blocked in a call that cannot complete) are in
 test_agreement_jobs.py.
@@ -21,9 +21,16 @@ pytestmark = pytest.mark.mpi
 
 # s: a report reaches every rank within 2 s, but for a rank that had returned from the call
 # before the report and whose next call waits for the reporter's decision on a fresh
-# communicator (up to 5.5 s where the reporter's stand-in waits for specs; docs/RELIABILITY.md);
-# slack for a crowded 2-core CI machine
-LIMIT = 7.0
+# communicator (up to 5.5 s where the reporter's stand-in waits for specs; docs/RELIABILITY.md)
+LONGEST_WAIT = 5.5
+
+
+def _limit():
+    """s within which each rank raises: 4 times the longest wait, room for a crowded 2-core
+    machine, and half the watchdog's timeout at most, which is what a disagreement that no
+    check found would wait for."""
+    timeout = mpicomm._state.CTX.timeout
+    return min(4 * LONGEST_WAIT, timeout / 2) if timeout else 4 * LONGEST_WAIT
 
 
 def _attempt(fn):
@@ -50,7 +57,7 @@ def _run_case(n, r, case, salt, returns_ok=None):
     if err is None:
         assert returns_ok is not None and returns_ok(res), f"rank {r} returned {res!r} without raising"
     else:
-        assert took < LIMIT, (took, err)
+        assert took < _limit(), (took, err)
         assert isinstance(err, (CollectiveMismatchError, InvalidArgumentError)), repr(err)
     # the next call: a rank that had returned raises the report here (and takes no part, so
     # the others raise its refusal); where it succeeds, its result is checked
@@ -58,7 +65,7 @@ def _run_case(n, r, case, salt, returns_ok=None):
     if err is None:
         assert err1 is not None, f"rank {r} returned from the disagreeing call and its next call did not raise"
     if err1 is not None:
-        assert took1 < LIMIT, (took1, err1)
+        assert took1 < _limit(), (took1, err1)
     _verify(n, r, salt + 2)   # nothing of the failed calls is left over
     return err if err is not None else err1
 
@@ -199,7 +206,7 @@ def test_refusal_in_a_group(multi):
         k = mpicomm.get_rank(name)
         x = np.random.default_rng(r).standard_normal(4)
         res, err, took = _attempt(lambda: mpicomm.all_reduce(x, op="bogus" if k == 1 else "sum", group=name))
-        assert err is not None and took < LIMIT, (res, err)
+        assert err is not None and took < _limit(), (res, err)
         parts = [np.random.default_rng([9, m]).standard_normal(3) for m in members]
         np.testing.assert_allclose(mpicomm.all_reduce(parts[k], group=name), np.sum(parts, axis=0), rtol=1e-12)
         mpicomm.destroy_group(name)

@@ -4,10 +4,17 @@ The watchdog names the disagreement, with every rank's call, within 2 s of the w
 at the timeout), and the job ends with a non-zero status. The timeout here is 60 s, so a
 report that came from the timeout would fail the time limit."""
 
+import re
+
 import pytest
 
 from conftest import clean_mpi_env, mpirun_argv, run_job
 from launch_support import spawns_mpirun
+
+TIMEOUT = 60   # MPICOMM_TIMEOUT of the jobs, s
+# s within which a job must end: start-up, 1-3 s of waiting, the report and the abort, with
+# room for a crowded 2-core machine; a report by the timeout comes after TIMEOUT s
+EARLY = TIMEOUT * 3 // 4
 
 HEAD = r"""
 import sys, time, numpy as np, mpicomm
@@ -19,15 +26,26 @@ mpicomm.barrier()
 t0 = time.monotonic()
 """
 
+
+def _not_last(n):
+    """A pattern of any rank number but the last one's."""
+    return "(?:" + "|".join(str(k) for k in range(n - 1)) + ")"
+
+
+# case: (the code every rank runs, n -> patterns of each rank's call as the reports name it)
 CASES = {
     # every rank but the last calls all_reduce, the last all_gather
     "collective": ("mpicomm.all_reduce(x) if r < n - 1 else mpicomm.all_gather(x)",
-                   ["all_reduce of 8 x float64", "all_gather of 8 x float64"]),
+                   lambda n: [rf"rank {_not_last(n)}: all_reduce of 8 x float64, op sum\b",
+                              rf"rank {n - 1}: all_gather of 8 x float64\b"]),
     # the issue's case: 100,000 against 100,001 float32 (the shared-memory path at 3 ranks)
     "count": ("mpicomm.all_reduce(np.ones(100000 + (r == n - 1), np.float32))",
-              ["100000 x float32", "100001 x float32"]),
+              lambda n: [rf"rank {_not_last(n)}: all_reduce of 100000 x float32, op sum\b",
+                         rf"rank {n - 1}: all_reduce of 100001 x float32, op sum\b"]),
     # two roots: both wait for the other's data
-    "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)", ["root 0", "root"]),
+    "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)",
+             lambda n: [rf"rank {_not_last(n)}: reduce of 8 x float64, op sum, root 0\b",
+                        rf"rank {n - 1}: reduce of 8 x float64, op sum, root {n - 1}\b"]),
 }
 
 
@@ -36,7 +54,7 @@ def _job(tmp_path, text, n):
     unset), a 60 s timeout; returns (the finished process, seconds it took)."""
     script = tmp_path / "case.py"
     script.write_text(text)
-    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "60", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": str(TIMEOUT), "MPICOMM_TRACE_DIR": str(tmp_path)})
     env.pop("MPICOMM_CHECK", None)
     return run_job(mpirun_argv(n, str(script)), env, 120)
 
@@ -52,9 +70,10 @@ def test_blocked_disagreement_ends_the_job_naming_each_call(tmp_path, case, n):
     reports = [ln for ln in err.splitlines() if "CollectiveMismatchError:" in ln]
     assert reports, err
     # the reports name every call that differs, as the ranks made them
-    assert all(w in "\n".join(reports) for w in words), reports
-    assert "did not complete within 60 s" not in err, err
-    assert took < 40, took   # start-up, 1-3 s of waiting, the report and the abort; not the 60 s timeout
+    missing = [w for w in words(n) if not re.search(w, "\n".join(reports))]
+    assert not missing, (missing, reports)
+    assert f"did not complete within {TIMEOUT} s" not in err, err
+    assert took < EARLY, took
 
 
 @spawns_mpirun
@@ -115,8 +134,8 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
     exception."""
     p, took = _job(tmp_path, CAUGHT.replace("CASE", CAUGHT_CASES[case]), n)
     out = p.stdout + p.stderr
-    assert "did not complete within 60 s" not in out, out[-3000:]
-    assert took < 40, took
+    assert f"did not complete within {TIMEOUT} s" not in out, out[-3000:]
+    assert took < EARLY, took
     assert "WRONG" not in out, out[-3000:]
     assert "mpi4py" not in out and "raised Exception" not in out, out[-3000:]
     if p.returncode == 0:
@@ -157,8 +176,8 @@ def test_fresh_communicator_after_a_disagreement_is_watched(tmp_path, n):
     assert all(f"rank {r}: raised" in out for r in range(n)), out[-3000:]
     assert f"rank {n - 1}: done" not in out, out[-3000:]
     assert "left" in out and "CommunicationError" in out, out[-3000:]
-    assert "did not complete within 60 s" not in out, out[-3000:]
-    assert took < 40, took
+    assert f"did not complete within {TIMEOUT} s" not in out, out[-3000:]
+    assert took < EARLY, took
 
 
 CROSSED = {
@@ -187,5 +206,5 @@ def test_crossed_waits_end_the_job_naming_both_calls(tmp_path, case, n):
     assert p.returncode != 0, (p.stdout, err)
     assert "neither can go on" in err and "on group 'world'" in err, err[-3000:]
     assert any(w in err for w in words), err[-3000:]   # (the first rank to tell names the other's call)
-    assert "did not complete within 60 s" not in err, err[-3000:]
-    assert took < 40, took
+    assert f"did not complete within {TIMEOUT} s" not in err, err[-3000:]
+    assert took < EARLY, took

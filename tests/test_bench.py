@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import clean_mpi_env, mpirun_argv, run_job
-from launch_support import have_mpirun, spawns_mpirun
+from launch_support import MATPLOTLIB, have_mpirun, require_module, spawns_mpirun
 from mpicomm.tools.bench import buckets, cases, cli, report, timing
 from mpicomm.tools.bench.arrays import NumpyFamily
 
@@ -191,7 +191,7 @@ def test_bucket_rows_and_summary():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", MATPLOTLIB)
     rows = [_row(size=s) for s in (8, 1024, 1 << 20)]
     p = tmp_path / "bw.png"
     report.plot(rows, str(p), "test")
@@ -393,7 +393,7 @@ def _table(out):
 @spawns_mpirun
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_short_bench_run_at_2_ranks(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", MATPLOTLIB)
     js, png = tmp_path / "r.json", tmp_path / "r.png"
     rc, out, err = _run(["-b", "8", "-e", "64K", "-f", "8", "-n", "5", "-w", "1", "--compare",
                          "--json", str(js), "--plot", str(png)], tmp_path)

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import rank_rng
+from launch_support import TORCH, require_module
 
 import mpicomm
 from mpicomm import InvalidArgumentError
@@ -340,7 +341,7 @@ def test_reducer_bad_grads(comm):
 def test_reducer_bad_torch_grads(comm):
     """PyTorch gradients are checked in one fast pass; whatever it rejects is named as for
     NumPy: the index, the attribute, the value and the parameter's."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     dev = "cpu"
     if comm.get_backend() == "nccl":  # CUDA tensors there (CPU ones go to the MPI backend)
         if not torch.cuda.is_available():
@@ -463,7 +464,7 @@ def _family(which):
         import cupy
 
         return (lambda a: cupy.asarray(a)), (lambda a: cupy.asnumpy(a))
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
 
     def to(a):
         if a.dtype == BFLOAT16:

@@ -7,6 +7,7 @@ import pytest
 
 import mpicomm
 from conftest import rank_rng
+from launch_support import TORCH, require_module
 
 pytestmark = pytest.mark.mpi
 
@@ -58,7 +59,7 @@ def test_results_survive_later_calls_torch_cpu(comm, cap, request):
     """PyTorch tensors: a result buffer is reused only when no tensor shares its storage
     (PyTorch's own count of the storage's references), so held results, derived views and
     exports stay intact."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     if comm.get_backend() != "mpi":
         pytest.skip("CPU tensors: the MPI backend")
 
@@ -73,7 +74,7 @@ def test_dropped_torch_results_are_reused(comm, request):
     """The point of keeping result buffers: once every result of a call is dropped, the
     next call packs into the same memory (no new views to make); a result still held
     anywhere (here a view of a view) keeps its buffer out of reuse."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     from mpicomm.training.results import _torch_storage_use_count
 
     if comm.get_backend() != "mpi":

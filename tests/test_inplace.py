@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import mpicomm
+from launch_support import TORCH, require_module
 from mpicomm import InvalidArgumentError, ReduceOp
 
 pytestmark = pytest.mark.mpi
@@ -267,7 +268,7 @@ def test_read_only_dlpack_refused_everywhere(comm):
 def test_torch_cpu_in_place(comm, dtype):
     """PyTorch CPU tensors in place (all_reduce, reduce on every root, all_to_all), where torch
     is installed (the same on every rank)."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     tdt = getattr(torch, dtype)
     for op in (ReduceOp.SUM, ReduceOp.MAX):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mpicomm
+from launch_support import TORCH, require_module
 from mpicomm import ReduceOp
 from test_collectives import BF16, close, data, in_group, members, pick, reduce_np, subgroup  # noqa: F401
 
@@ -115,7 +116,7 @@ def test_sendrecv_in_place_and_torch(comm, request):
     y = x.copy()
     assert mpicomm.sendrecv(y, (r + 1) % n, y, (r - 1) % n) is y   # out is x: sent first, then replaced
     close(y, data((r - 1) % n, key, (8,), np.int64), np.int64)
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     t = torch.from_numpy(data(r, key + "t", (3, 2), np.float32))
     got = mpicomm.sendrecv(t, (r + 1) % n, src=(r - 1) % n)
     assert isinstance(got, torch.Tensor)

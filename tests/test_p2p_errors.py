@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import mpicomm
-from conftest import ROOT, clean_mpi_env, mpirun_argv, rank_rng, run_job
+from conftest import ROOT, clean_mpi_env, left_behind, mpirun_argv, rank_rng, run_job
 
 TIMEOUT = 3   # MPICOMM_TIMEOUT of the serial tests' jobs, seconds
 DTYPES = [np.float64, np.int32, np.float32, np.int8]
@@ -269,9 +269,8 @@ def job(n, mode, env=None, limit=TIMEOUT + 60):
         raise AssertionError(f"the job ran past {limit} s: {ex.stderr[-3000:]}") from None
     finally:
         shutil.rmtree(traces, ignore_errors=True)
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
-    assert left.stdout.strip() == "", f"processes left behind: {left.stdout}"
+    left = left_behind(token)
+    assert left == "", f"processes left behind: {left}"
     return p, took
 
 

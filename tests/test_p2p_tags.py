@@ -121,25 +121,38 @@ def test_too_small_names_out(tp, request):
         np.testing.assert_array_equal(dev, 0)   # nothing landed
 
 
-def test_sender_away_from_mpi(tp, request):
-    """After a blocking tagged send the sender makes no MPI call for 3 s (as when its next
-    calls are NCCL's): the receiver still gets the 4 MB message well before that (the outbox
-    is tested by its thread where MPI allows threads)."""
+def test_sender_away_from_mpi(tp, request, tmp_path, monkeypatch):
+    """After a blocking tagged send the sender makes no MPI call (as when its next calls are
+    NCCL's) until the receiver says, in a file, not through MPI, that it has the 4 MB
+    message: where MPI allows threads, the outbox's thread moves it meanwhile. A message that
+    waited for the sender's next MPI call would not come before the sender's deadline (half
+    the watchdog's timeout, at most 60 s), and the test fails. (The sender's watchdog, which
+    calls MPI_Iprobe once a second and so moves such a message too, in 5-10 s, is kept from
+    doing so meanwhile.)"""
+    import os
     import time
 
     from mpi4py import MPI
 
     me, key = mpicomm.get_rank(), request.node.name
+    threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
     a = data(0, key, (BIG,), np.float32)
+    got = mpicomm.broadcast_object(str(tmp_path / "received") if me == 0 else None, root=0)
+    timeout = mpicomm._state.CTX.timeout
+    away = min(60.0, timeout / 2) if timeout else 60.0
     mpicomm.barrier()
     if me == 0:
+        rel = mpicomm._state.CTX.reliability
+        if rel is not None:
+            monkeypatch.setattr(rel.progress, "poke", lambda: None)
         tp.send(a.copy(), 1, 12, False)
-        time.sleep(3.0)
+        if threaded:   # away from MPI until the receiver has the message, or the deadline
+            deadline = time.monotonic() + away
+            while not os.path.exists(got) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.path.exists(got), f"rank 1 did not receive the message within {away:g} s of its send"
     elif me == 1:
-        t0 = time.monotonic()
         dev = np.zeros_like(a)
         tp.recv(np.empty_like(a), 0, 12, False, lander(dev), dev)
-        took = time.monotonic() - t0
+        open(got, "w").close()
         np.testing.assert_array_equal(dev, a)
-        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            assert took < 2.5, took

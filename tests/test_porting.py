@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import ROOT, clean_mpi_env
+from launch_support import TORCH, require_module
 
 import mpicomm
 from mpicomm import InvalidArgumentError
@@ -64,7 +65,7 @@ def _global_batches(n_samples, epoch, batch, seed, drop_last):
 
 
 def _mlp_reference(mod, n, epochs, local_batch, seed, make_opt, drop_last, x, y):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     params = [torch.tensor(p, requires_grad=True) for p in mod.init_params(seed)]  # rank 0's draw
     opt = make_opt(torch, params)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -127,7 +128,7 @@ def test_mindspore_example_equals_one_process(comm):
 
 @pytest.mark.mpi
 def test_oneflow_example_equals_one_process(comm):
-    pytest.importorskip("torch")
+    require_module("torch", TORCH)
     mod = _script("port_oneflow_ddp")
     n = comm.get_group_size()
     got = mod.main(["--iters", "30"])
@@ -309,7 +310,7 @@ def test_parameter_broadcast_gives_every_rank_rank_0s_parameters(comm):
 
 @pytest.mark.mpi
 def test_parameter_broadcast_with_torch_parameters(comm):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch", TORCH)
     r = comm.get_rank()
     lin = torch.nn.Linear(3, 2).double()
     with torch.no_grad():

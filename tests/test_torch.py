@@ -6,7 +6,9 @@ path on tensors. The same checks on CUDA tensors are in test_gpu_torch.py (they 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
+from launch_support import TORCH, require_module
+
+torch = require_module("torch", TORCH)
 
 import ml_dtypes  # noqa: E402
 

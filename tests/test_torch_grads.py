@@ -9,7 +9,9 @@ on the global batch; and the unused-parameter error's advice fits a layer frozen
 after wrapping. CPU tensors over MPI (the ``check_*`` functions take a device)."""
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
+from launch_support import TORCH, require_module
+
+torch = require_module("torch", TORCH)
 
 import mpicomm  # noqa: E402
 import mpicomm.torch as mt  # noqa: E402

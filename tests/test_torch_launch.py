@@ -4,10 +4,10 @@ import json
 import os
 import re
 
-import pytest
 from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
+from launch_support import SKLEARN, TORCH, require_module
 
-pytest.importorskip("torch", reason="PyTorch is not installed (scripts/_env.sh installs the CPU build)")
+require_module("torch", TORCH)
 
 
 def _run(args, timeout=300):
@@ -41,7 +41,7 @@ def test_init_process_group_without_mpicomm_init():
 
 
 def test_train_torch_reaches_its_accuracy():
-    pytest.importorskip("sklearn")
+    require_module("sklearn", SKLEARN)
     p = _run([os.path.join("scripts", "train_torch.py"), "--epochs", "6", "--min-accuracy", "0.9"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^epoch: \d+ step: \d+, loss is ([0-9.e+-]+)$", p.stdout, re.M)]

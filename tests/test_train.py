@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
+from launch_support import SKLEARN, require_module
 
 import mpicomm
 from mpicomm import InvalidArgumentError
@@ -111,7 +112,7 @@ def _run(args, extra_env=None, timeout=180):
 
 @needs_mpirun
 def test_script_trains_digits_at_two_ranks():
-    pytest.importorskip("sklearn")
+    require_module("sklearn", SKLEARN)
     p = _run(["--epochs", "8", "--min-accuracy", "0.9"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.splitlines()
