@@ -358,6 +358,30 @@ def test_broadcast_into_read_only_raises_everywhere(comm, tmp_path, what):
     np.testing.assert_array_equal(y, expect("fine2", 5, ReduceOp.SUM, n))
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 3)])
+def test_zero_length_dlpack_broadcast_and_in_place(comm, shape):
+    """A zero-length buffer known only through DLPack: broadcast from every root fills it as it
+    fills an empty NumPy array (nothing to write, so never refused as read-only, even where the
+    export is marked read-only), on every rank; in-place all_reduce alike. The next call sees
+    the group as it was."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for ro in (False, True):
+        for root in range(n):
+            a = np.zeros(shape, np.float32)
+            a.flags.writeable = not ro
+            d = DLPackOnly(a)
+            assert mpicomm.broadcast(d, root=root) is d
+            assert np.from_dlpack(d).shape == shape
+            e = np.zeros(shape, np.float32)   # what NumPy's empty array does
+            assert mpicomm.broadcast(e, root=root) is e
+        a = np.zeros(shape, np.float64)
+        a.flags.writeable = not ro
+        d = DLPackOnly(a)
+        assert mpicomm.all_reduce(d, out=d) is d
+    y = mpicomm.all_reduce(of(r, "zlen", 6))
+    np.testing.assert_array_equal(y, expect("zlen", 6, ReduceOp.SUM, n))
+
+
 def test_read_only_dlpack_refused_everywhere(comm):
     """A DLPack object over read-only memory cannot take a result in place: refused on every
     rank before anyone communicates (not a silent copy that never reaches the object)."""
