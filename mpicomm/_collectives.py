@@ -117,7 +117,7 @@ def all_to_all(x: ArrayLike, out: ArrayLike | None = None, group: str | None = N
     if g is None:
         g = get_group(group)
     if in_splits is not None or out_splits is not None:
-        return g.call(ALL_TO_ALL, x, out, early(g, ALL_TO_ALL, splits, g, x, in_splits, out_splits),
+        return g.call(ALL_TO_ALL, x, out, early(g, ALL_TO_ALL, splits, g, x, out, in_splits, out_splits),
                       async_op, stream)
     return g.call(ALL_TO_ALL, x, out, None, async_op, stream)
 

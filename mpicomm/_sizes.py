@@ -17,7 +17,7 @@ import numpy as np
 from ._callspec import dtype_id, dtype_of_id
 from ._ops import ALL_TO_ALL, GATHER, NAMES, REDUCE_SCATTER, SCATTER, ReduceOp, Sized
 from ._state import CTX
-from .errors import CollectiveMismatchError, invalid
+from .errors import CollectiveMismatchError, InvalidArgumentError, RefusedElsewhereError, invalid
 
 
 def raise_(e):
@@ -111,33 +111,104 @@ def sized(g, code, x, base, sizes):
     return Sized(base, sizes)
 
 
-def splits(g, x, in_splits, out_splits):
-    """all_to_all's Sized arg (None, in_splits, out_splits)."""
+def splits(g, x, out, in_splits, out_splits):
+    """all_to_all's Sized arg (None, in_splits, out_splits).
+
+    The splits pair up between ranks (rank i's in_splits[j] rows go to rank j, which expects
+    its out_splits[i]), so no rank can check them alone: with the agreement check on (the
+    default), in debug mode and for out_splits='auto', each rank's rows to and from every
+    peer are exchanged first, and where a pair differs every rank raises
+    CollectiveMismatchError naming both ranks and values (MPI would leave rows of the
+    result unwritten, or fail on one rank only). A rank's own invalid splits are raised there
+    after the exchange, and as a refusal elsewhere."""
     n = g.size
-    if in_splits is not None:
-        in_splits = _check_sizes(g, in_splits, "in_splits")
     auto = isinstance(out_splits, str)
-    if auto and out_splits != "auto":
-        raise invalid("out_splits", out_splits, f"'auto' or a sequence of {n} non-negative ints")
-    if not auto and out_splits is not None:
-        out_splits = _check_sizes(g, out_splits, "out_splits")
-    if not auto and not CTX.debug:
+    if not auto and not CTX.debug and not CTX.check:
+        if in_splits is not None:
+            in_splits = _check_sizes(g, in_splits, "in_splits")
+        if out_splits is not None:
+            out_splits = _check_sizes(g, out_splits, "out_splits")
         return Sized(None, in_splits, out_splits)
+    own = None   # this rank's InvalidArgumentError, raised after the exchange (the others refuse)
+    try:
+        if auto and out_splits != "auto":
+            raise invalid("out_splits", out_splits, f"'auto' or a sequence of {n} non-negative ints")
+        if auto:
+            _not_captured("out_splits")
+        if in_splits is not None:
+            in_splits = _check_sizes(g, in_splits, "in_splits")
+        if not auto and out_splits is not None:
+            out_splits = _check_sizes(g, out_splits, "out_splits")
+        ins, outs = _rows(g, x, out, in_splits, None if auto else out_splits, auto)
+        row = (2 if auto else 1,) + ins + outs   # (0: refused here; 1: splits; 2: out_splits='auto')
+    except InvalidArgumentError as e:
+        own, row = e, (0,) + (-1,) * (2 * n)
+    allv = _exchange(g, ALL_TO_ALL, x, None, None, row)   # (in_splits differ between ranks)
+    if own is not None:
+        raise own
+    how = allv[:, _HDR]
+    bad = [q for q in range(n) if how[q] == 0]
+    if bad:
+        raise RefusedElsewhereError(
+            f"{_who(g, bad[0])} refused all_to_all on group {g.name!r}: InvalidArgumentError: its in_splits, "
+            "out_splits or x.shape are invalid there (that rank raised the error naming them)")
+    if (how != how[0]).any():
+        named = ", ".join(_who(g, q) for q in range(n) if how[q] == 2)
+        raise CollectiveMismatchError(
+            f"all_to_all with splits on group {g.name!r}: out_splits='auto' on {named}, a list or None on "
+            "the others: every rank passes out_splits='auto', or none does")
+    sent = allv[:, _HDR + 1:_HDR + 1 + n]    # sent[i, j]: the rows rank i sends to rank j
     if auto:
-        _not_captured("out_splits")
-    ins = in_splits
-    if ins is None:
-        d0 = _facts(x)[0]
-        ins = (d0[0] // n,) * n if d0 and d0[0] % n == 0 else (-1,) * n
-    allv = _exchange(g, ALL_TO_ALL, x, None, None, ins)   # in_splits differ between ranks
-    got = allv[:, _HDR + g.rank]
-    if auto:
-        if (allv[:, _HDR:] < 0).any():
-            bad = sorted({r for r in range(n) if (allv[r, _HDR:] < 0).any()})
-            raise invalid("x.shape", "an axis 0 that does not divide by the group size", f"in_splits, or an "
-                          f"axis 0 divisible by {n} on every rank (all_to_all; ranks {bad} gave neither)")
-        out_splits = tuple(int(v) for v in got)
+        return Sized(None, in_splits, tuple(int(v) for v in sent[:, g.rank]))
+    want = allv[:, _HDR + 1 + n:]            # want[j, i]: the rows rank j expects from rank i
+    pairs = [(i, j) for i in range(n) for j in range(n) if sent[i, j] != want[j, i]]
+    if pairs:
+        said = "; ".join(f"{_who(g, i)} sends {_rows_of(sent[i, j])} to {_who(g, j)} (in_splits[{j}] = "
+                         f"{sent[i, j]} there), which expects {want[j, i]} (out_splits[{i}] = {want[j, i]} there)"
+                         for i, j in pairs[:4])
+        more = f"; and {len(pairs) - 4} more pairs" if len(pairs) > 4 else ""
+        raise CollectiveMismatchError(
+            f"all_to_all with splits on group {g.name!r}: the ranks' splits do not pair up: {said}{more}. "
+            "in_splits[j] on rank i must equal out_splits[i] on rank j (out_splits=None: n equal parts of "
+            "out's axis 0, or of x's; out_splits='auto' takes them from the senders)")
     return Sized(None, in_splits, out_splits)
+
+
+def _rows_of(v):
+    return f"{v} row" if v == 1 else f"{v} rows"
+
+
+def _who(g, q):
+    """'rank q', with its world rank in a group that is not the world."""
+    return f"rank {q}" if g.name == "world" else f"rank {q} (world rank {g.ranks[q]})"
+
+
+def _rows(g, x, out, ins, outs, auto):
+    """(rows sent to each rank, rows expected from each) of this rank's all_to_all, checked as
+    the transport checks them (None: n equal parts of x's axis 0 / of out='s, else x's);
+    ``auto``: nothing expected yet (-1 each)."""
+    n = g.size
+    shape = _facts(x)[0]
+    if not shape:
+        raise invalid("x.shape", shape, "an array with an axis 0 (all_to_all splits or joins along it)")
+    d0, trail = shape[0], shape[1:]
+    if ins is None:
+        if d0 % n:
+            raise invalid("x.shape", shape, f"a first axis divisible by the group size {n}, or in_splits"
+                          + (" (out_splits='auto')" if auto else ""))
+        ins = (d0 // n,) * n
+    elif sum(ins) != d0:
+        raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {g.rank})")
+    if auto:
+        return ins, (-1,) * n
+    if outs is None:   # the output split evenly: out='s axis 0, else x's (as the transports)
+        oshape0 = getattr(out, "shape", None) if out is not None and out is not x else None
+        o0 = int(oshape0[0]) if oshape0 else d0
+        if o0 % n:
+            raise invalid("out.shape", (o0,) + tuple(trail), f"a first axis divisible by the group size {n}, "
+                          "or out_splits (a list, or 'auto')")
+        outs = (o0 // n,) * n
+    return ins, outs
 
 
 # the exchanged descriptor: collective, dtype, array kind, ndim, trailing shape (6 dims, or a
