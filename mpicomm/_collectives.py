@@ -145,8 +145,9 @@ def recv(out: ArrayLike, src: int, group: str | None = None, tag: int = 0, async
          stream: Stream | None = None) -> Any:
     """Receive into ``out`` from rank ``src`` of the group; returns ``out``.
 
-    Raises CollectiveMismatchError (on this rank) when the message sent is larger than
-    ``out``, naming ``out``, its size and the size sent. There is no wildcard tag."""
+    The message must fill ``out`` exactly (as torch.distributed.recv): one larger or
+    shorter raises CollectiveMismatchError on this rank, naming the sender, the size sent
+    and out's. There is no wildcard tag."""
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)
