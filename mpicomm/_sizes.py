@@ -143,26 +143,27 @@ def splits(g, x, out, in_splits, out_splits):
         row = (2 if auto else 1,) + ins + outs   # (0: refused here; 1: splits; 2: out_splits='auto')
     except InvalidArgumentError as e:
         own, row = e, (0,) + (-1,) * (2 * n)
-    allv = _exchange(g, ALL_TO_ALL, x, None, None, row)   # (in_splits differ between ranks)
+    # (with the call's descriptor: dtype and trailing shape compared there too)
+    allv = _exchange(g, ALL_TO_ALL, x, None, None, row)[:, _HDR:]
     if own is not None:
         raise own
-    how = allv[:, _HDR]
-    bad = [q for q in range(n) if how[q] == 0]
-    if bad:
-        raise RefusedElsewhereError(
-            f"{_who(g, bad[0])} refused all_to_all on group {g.name!r}: InvalidArgumentError: its in_splits, "
-            "out_splits or x.shape are invalid there (that rank raised the error naming them)")
-    if (how != how[0]).any():
+    how = allv[:, 0]
+    if not (how == row[0]).all():
+        bad = [q for q in range(n) if how[q] == 0]
+        if bad:
+            raise RefusedElsewhereError(
+                f"{_who(g, bad[0])} refused all_to_all on group {g.name!r}: InvalidArgumentError: its in_splits, "
+                "out_splits or x.shape are invalid there (that rank raised the error naming them)")
         named = ", ".join(_who(g, q) for q in range(n) if how[q] == 2)
         raise CollectiveMismatchError(
             f"all_to_all with splits on group {g.name!r}: out_splits='auto' on {named}, a list or None on "
             "the others: every rank passes out_splits='auto', or none does")
-    sent = allv[:, _HDR + 1:_HDR + 1 + n]    # sent[i, j]: the rows rank i sends to rank j
+    sent = allv[:, 1:1 + n]                  # sent[i, j]: the rows rank i sends to rank j
     if auto:
         return Sized(None, in_splits, tuple(int(v) for v in sent[:, g.rank]))
-    want = allv[:, _HDR + 1 + n:]            # want[j, i]: the rows rank j expects from rank i
-    pairs = [(i, j) for i in range(n) for j in range(n) if sent[i, j] != want[j, i]]
-    if pairs:
+    want = allv[:, 1 + n:]                   # want[j, i]: the rows rank j expects from rank i
+    if not (sent == want.T).all():
+        pairs = [(i, j) for i in range(n) for j in range(n) if sent[i, j] != want[j, i]]
         said = "; ".join(f"{_who(g, i)} sends {_rows_of(sent[i, j])} to {_who(g, j)} (in_splits[{j}] = "
                          f"{sent[i, j]} there), which expects {want[j, i]} (out_splits[{i}] = {want[j, i]} there)"
                          for i, j in pairs[:4])
@@ -188,7 +189,8 @@ def _rows(g, x, out, ins, outs, auto):
     the transport checks them (None: n equal parts of x's axis 0 / of out='s, else x's);
     ``auto``: nothing expected yet (-1 each)."""
     n = g.size
-    shape = _facts(x)[0]
+    shape = getattr(x, "shape", None)
+    shape = tuple(shape) if shape is not None else _facts(x)[0]
     if not shape:
         raise invalid("x.shape", shape, "an array with an axis 0 (all_to_all splits or joins along it)")
     d0, trail = shape[0], shape[1:]
@@ -216,6 +218,7 @@ def _rows(g, x, out, ins, outs, auto):
 _KINDS = ("a host array", "a CuPy/GPU array", "a PyTorch CPU tensor", "a PyTorch CUDA tensor")
 _OPS = tuple(ReduceOp)
 _OWN, _SZ, _HDR = 11, 12, 13
+_SAME = [*range(_OWN), _SZ]   # the fields that are alike on every rank where nothing differs
 
 
 def _facts(x):
@@ -236,7 +239,13 @@ def _facts(x):
             shape, dtype = a.shape, a.dtype
         except TypeError:
             raise invalid("x", type(x).__name__, "an array (NumPy, CuPy, PyTorch, or the buffer protocol)") from None
-    return tuple(int(s) for s in shape), str(dtype).replace("torch.", ""), kind
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).replace("torch.", "")
+    return tuple(int(s) for s in shape), name, kind
+
+
+_NAMES: dict[Any, str] = {}   # dtype object -> its name (str() of a NumPy dtype costs microseconds)
 
 
 def _exchange(g, code, x, base, sizes, extra=()):
@@ -245,25 +254,27 @@ def _exchange(g, code, x, base, sizes, extra=()):
     from mpi4py import MPI
 
     shape, dtype, kind = _facts(x)
-    v = np.full(_HDR + len(extra), -1, np.int64)
-    v[0] = code
+    h = [-1] * _HDR   # (a list, made an array once: cheaper than setting an array's items)
+    h[0] = code
     if dtype is not None:
-        v[1] = dtype_id(dtype)   # (the CallSpec's dtype word: mpicomm._callspec)
-        v[2] = kind
-        v[3] = len(shape)
+        h[1] = dtype_id(dtype)   # (the CallSpec's dtype word: mpicomm._callspec)
+        h[2] = kind
+        h[3] = len(shape)
         trail = shape[1:]
         if len(trail) <= 6:
-            v[4:4 + len(trail)] = trail
+            h[4:4 + len(trail)] = trail
         else:
-            v[4] = zlib.crc32(repr(trail).encode()) | 1 << 40
-        v[_OWN] = shape[0] if shape else -1
+            h[4] = zlib.crc32(repr(trail).encode()) | 1 << 40
+        h[_OWN] = shape[0] if shape else -1
     if base is not None:
-        v[10] = _OPS.index(base) if isinstance(base, ReduceOp) else base
-    v[_SZ] = zlib.crc32(repr(sizes).encode()) if sizes is not None else -1
-    v[_HDR:] = extra
+        h[10] = _OPS.index(base) if isinstance(base, ReduceOp) else base
+    h[_SZ] = zlib.crc32(repr(sizes).encode()) if sizes is not None else -1
+    v = np.array(h + list(extra), np.int64)
     allv = np.empty((g.size, len(v)), np.int64)
     g.disp.watched(code, lambda: g.mpi_comm.Allgather([v, MPI.INT64_T], [allv, MPI.INT64_T]))
     # scatter: only the root's x is known; ranks without an out= give no dtype (-1: any)
+    if (allv[:, _SAME] == v[_SAME]).all():   # (the common case: every field alike on every rank)
+        return allv
     known = allv[:, 1] != -1
     fields = {"collective": [0], "dtype": [1], "trailing shape": list(range(3, 10)), "op or root": [10],
               "sizes": [_SZ]}

@@ -325,6 +325,8 @@ def test_all_to_all_splits_that_do_not_pair_up_raise_everywhere(comm, subgroup, 
     g, ranks, n, me = ctx(which, subgroup)
     if me is None:
         return
+    if not (mpicomm._state.CTX.check or mpicomm._state.CTX.debug):
+        pytest.skip("explicit splits are compared with the agreement check on (MPICOMM_CHECK=0 here)")
     key = request.node.name
     rng = np.random.default_rng(zlib.crc32(key.encode()))   # the same on every rank: which pair
     S = (rng.integers(1, 4, (n, n))).tolist()
@@ -358,6 +360,8 @@ def test_all_to_all_splits_refused_on_one_rank_raise_everywhere(comm, request):
     import time
 
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    if not (mpicomm._state.CTX.check or mpicomm._state.CTX.debug):
+        pytest.skip("explicit splits are compared with the agreement check on (MPICOMM_CHECK=0 here)")
     key = request.node.name
     x = data(r, key, (2 * n, 2), np.float64)
     ins = [2] * n
