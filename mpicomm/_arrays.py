@@ -216,9 +216,10 @@ def write_back(x, h):
         return x
     if hasattr(x, "__dlpack__") and not hasattr(x, "__buffer__"):
         a = np.from_dlpack(x)
-        if not np.shares_memory(a, h):   # h is a copy (x's export was read-only): write it back
-            try:
-                a.flags.writeable = True
+        if a.size and not np.shares_memory(a, h):   # h is a copy (x's export was read-only): write it back
+            try:                                    # (zero elements: nothing to write)
+                if not a.flags.writeable:
+                    a.flags.writeable = True
             except ValueError:
                 raise invalid("x", f"read-only {type(x).__name__}", "a writable array "
                               "(the result is written into it)") from None
@@ -236,7 +237,7 @@ def check_writable(x, arg="x", why="the result is written into it"):
     elif hasattr(x, "__dlpack__"):   # a host DLPack export: writable unless its memory is read-only
         try:
             a = np.from_dlpack(x)
-            if not a.flags.writeable:
+            if a.size and not a.flags.writeable:   # (zero elements: nothing is written)
                 a.flags.writeable = True
             ro = False
         except ValueError:

@@ -117,7 +117,7 @@ def all_to_all(x: ArrayLike, out: ArrayLike | None = None, group: str | None = N
     if g is None:
         g = get_group(group)
     if in_splits is not None or out_splits is not None:
-        return g.call(ALL_TO_ALL, x, out, early(g, ALL_TO_ALL, splits, g, x, in_splits, out_splits),
+        return g.call(ALL_TO_ALL, x, out, early(g, ALL_TO_ALL, splits, g, x, out, in_splits, out_splits),
                       async_op, stream)
     return g.call(ALL_TO_ALL, x, out, None, async_op, stream)
 
@@ -145,8 +145,9 @@ def recv(out: ArrayLike, src: int, group: str | None = None, tag: int = 0, async
          stream: Stream | None = None) -> Any:
     """Receive into ``out`` from rank ``src`` of the group; returns ``out``.
 
-    Raises CollectiveMismatchError (on this rank) when the message sent is larger than
-    ``out``, naming ``out``, its size and the size sent. There is no wildcard tag."""
+    The message must fill ``out`` exactly (as torch.distributed.recv): one larger or
+    shorter raises CollectiveMismatchError on this rank, naming the sender, the size sent
+    and out's. There is no wildcard tag."""
     g = CTX.world if group is None else None
     if g is None:
         g = get_group(group)

@@ -17,7 +17,7 @@ import numpy as np
 from ._callspec import dtype_id, dtype_of_id
 from ._ops import ALL_TO_ALL, GATHER, NAMES, REDUCE_SCATTER, SCATTER, ReduceOp, Sized
 from ._state import CTX
-from .errors import CollectiveMismatchError, invalid
+from .errors import CollectiveMismatchError, InvalidArgumentError, RefusedElsewhereError, invalid
 
 
 def raise_(e):
@@ -111,33 +111,106 @@ def sized(g, code, x, base, sizes):
     return Sized(base, sizes)
 
 
-def splits(g, x, in_splits, out_splits):
-    """all_to_all's Sized arg (None, in_splits, out_splits)."""
+def splits(g, x, out, in_splits, out_splits):
+    """all_to_all's Sized arg (None, in_splits, out_splits).
+
+    The splits pair up between ranks (rank i's in_splits[j] rows go to rank j, which expects
+    its out_splits[i]), so no rank can check them alone: with the agreement check on (the
+    default), in debug mode and for out_splits='auto', each rank's rows to and from every
+    peer are exchanged first, and where a pair differs every rank raises
+    CollectiveMismatchError naming both ranks and values (MPI would leave rows of the
+    result unwritten, or fail on one rank only). A rank's own invalid splits are raised there
+    after the exchange, and as a refusal elsewhere."""
     n = g.size
-    if in_splits is not None:
-        in_splits = _check_sizes(g, in_splits, "in_splits")
     auto = isinstance(out_splits, str)
-    if auto and out_splits != "auto":
-        raise invalid("out_splits", out_splits, f"'auto' or a sequence of {n} non-negative ints")
-    if not auto and out_splits is not None:
-        out_splits = _check_sizes(g, out_splits, "out_splits")
-    if not auto and not CTX.debug:
+    if not auto and not CTX.debug and not CTX.check:
+        if in_splits is not None:
+            in_splits = _check_sizes(g, in_splits, "in_splits")
+        if out_splits is not None:
+            out_splits = _check_sizes(g, out_splits, "out_splits")
         return Sized(None, in_splits, out_splits)
+    own = None   # this rank's InvalidArgumentError, raised after the exchange (the others refuse)
+    try:
+        if auto and out_splits != "auto":
+            raise invalid("out_splits", out_splits, f"'auto' or a sequence of {n} non-negative ints")
+        if auto:
+            _not_captured("out_splits")
+        if in_splits is not None:
+            in_splits = _check_sizes(g, in_splits, "in_splits")
+        if not auto and out_splits is not None:
+            out_splits = _check_sizes(g, out_splits, "out_splits")
+        ins, outs = _rows(g, x, out, in_splits, None if auto else out_splits, auto)
+        row = (2 if auto else 1,) + ins + outs   # (0: refused here; 1: splits; 2: out_splits='auto')
+    except InvalidArgumentError as e:
+        own, row = e, (0,) + (-1,) * (2 * n)
+    # (with the call's descriptor: dtype and trailing shape compared there too)
+    allv = _exchange(g, ALL_TO_ALL, x, None, None, row)[:, _HDR:]
+    if own is not None:
+        raise own
+    how = allv[:, 0]
+    if not (how == row[0]).all():
+        bad = [q for q in range(n) if how[q] == 0]
+        if bad:
+            raise RefusedElsewhereError(
+                f"{_who(g, bad[0])} refused all_to_all on group {g.name!r}: InvalidArgumentError: its in_splits, "
+                "out_splits or x.shape are invalid there (that rank raised the error naming them)")
+        named = ", ".join(_who(g, q) for q in range(n) if how[q] == 2)
+        raise CollectiveMismatchError(
+            f"all_to_all with splits on group {g.name!r}: out_splits='auto' on {named}, a list or None on "
+            "the others: every rank passes out_splits='auto', or none does")
+    sent = allv[:, 1:1 + n]                  # sent[i, j]: the rows rank i sends to rank j
     if auto:
-        _not_captured("out_splits")
-    ins = in_splits
-    if ins is None:
-        d0 = _facts(x)[0]
-        ins = (d0[0] // n,) * n if d0 and d0[0] % n == 0 else (-1,) * n
-    allv = _exchange(g, ALL_TO_ALL, x, None, None, ins)   # in_splits differ between ranks
-    got = allv[:, _HDR + g.rank]
-    if auto:
-        if (allv[:, _HDR:] < 0).any():
-            bad = sorted({r for r in range(n) if (allv[r, _HDR:] < 0).any()})
-            raise invalid("x.shape", "an axis 0 that does not divide by the group size", f"in_splits, or an "
-                          f"axis 0 divisible by {n} on every rank (all_to_all; ranks {bad} gave neither)")
-        out_splits = tuple(int(v) for v in got)
+        return Sized(None, in_splits, tuple(int(v) for v in sent[:, g.rank]))
+    want = allv[:, 1 + n:]                   # want[j, i]: the rows rank j expects from rank i
+    if not (sent == want.T).all():
+        pairs = [(i, j) for i in range(n) for j in range(n) if sent[i, j] != want[j, i]]
+        said = "; ".join(f"{_who(g, i)} sends {_rows_of(sent[i, j])} to {_who(g, j)} (in_splits[{j}] = "
+                         f"{sent[i, j]} there), which expects {want[j, i]} (out_splits[{i}] = {want[j, i]} there)"
+                         for i, j in pairs[:4])
+        more = f"; and {len(pairs) - 4} more pairs" if len(pairs) > 4 else ""
+        raise CollectiveMismatchError(
+            f"all_to_all with splits on group {g.name!r}: the ranks' splits do not pair up: {said}{more}. "
+            "in_splits[j] on rank i must equal out_splits[i] on rank j (out_splits=None: n equal parts of "
+            "out's axis 0, or of x's; out_splits='auto' takes them from the senders)")
     return Sized(None, in_splits, out_splits)
+
+
+def _rows_of(v):
+    return f"{v} row" if v == 1 else f"{v} rows"
+
+
+def _who(g, q):
+    """'rank q', with its world rank in a group that is not the world."""
+    return f"rank {q}" if g.name == "world" else f"rank {q} (world rank {g.ranks[q]})"
+
+
+def _rows(g, x, out, ins, outs, auto):
+    """(rows sent to each rank, rows expected from each) of this rank's all_to_all, checked as
+    the transport checks them (None: n equal parts of x's axis 0 / of out='s, else x's);
+    ``auto``: nothing expected yet (-1 each)."""
+    n = g.size
+    shape = getattr(x, "shape", None)
+    shape = tuple(shape) if shape is not None else _facts(x)[0]
+    if not shape:
+        raise invalid("x.shape", shape, "an array with an axis 0 (all_to_all splits or joins along it)")
+    d0, trail = shape[0], shape[1:]
+    if ins is None:
+        if d0 % n:
+            raise invalid("x.shape", shape, f"a first axis divisible by the group size {n}, or in_splits"
+                          + (" (out_splits='auto')" if auto else ""))
+        ins = (d0 // n,) * n
+    elif sum(ins) != d0:
+        raise invalid("in_splits", list(ins), f"sizes that add up to x.shape[0] = {d0} (on rank {g.rank})")
+    if auto:
+        return ins, (-1,) * n
+    if outs is None:   # the output split evenly: out='s axis 0, else x's (as the transports)
+        oshape0 = getattr(out, "shape", None) if out is not None and out is not x else None
+        o0 = int(oshape0[0]) if oshape0 else d0
+        if o0 % n:
+            raise invalid("out.shape", (o0,) + tuple(trail), f"a first axis divisible by the group size {n}, "
+                          "or out_splits (a list, or 'auto')")
+        outs = (o0 // n,) * n
+    return ins, outs
 
 
 # the exchanged descriptor: collective, dtype, array kind, ndim, trailing shape (6 dims, or a
@@ -145,6 +218,7 @@ def splits(g, x, in_splits, out_splits):
 _KINDS = ("a host array", "a CuPy/GPU array", "a PyTorch CPU tensor", "a PyTorch CUDA tensor")
 _OPS = tuple(ReduceOp)
 _OWN, _SZ, _HDR = 11, 12, 13
+_SAME = [*range(_OWN), _SZ]   # the fields that are alike on every rank where nothing differs
 
 
 def _facts(x):
@@ -165,7 +239,13 @@ def _facts(x):
             shape, dtype = a.shape, a.dtype
         except TypeError:
             raise invalid("x", type(x).__name__, "an array (NumPy, CuPy, PyTorch, or the buffer protocol)") from None
-    return tuple(int(s) for s in shape), str(dtype).replace("torch.", ""), kind
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).replace("torch.", "")
+    return tuple(int(s) for s in shape), name, kind
+
+
+_NAMES: dict[Any, str] = {}   # dtype object -> its name (str() of a NumPy dtype costs microseconds)
 
 
 def _exchange(g, code, x, base, sizes, extra=()):
@@ -174,25 +254,27 @@ def _exchange(g, code, x, base, sizes, extra=()):
     from mpi4py import MPI
 
     shape, dtype, kind = _facts(x)
-    v = np.full(_HDR + len(extra), -1, np.int64)
-    v[0] = code
+    h = [-1] * _HDR   # (a list, made an array once: cheaper than setting an array's items)
+    h[0] = code
     if dtype is not None:
-        v[1] = dtype_id(dtype)   # (the CallSpec's dtype word: mpicomm._callspec)
-        v[2] = kind
-        v[3] = len(shape)
+        h[1] = dtype_id(dtype)   # (the CallSpec's dtype word: mpicomm._callspec)
+        h[2] = kind
+        h[3] = len(shape)
         trail = shape[1:]
         if len(trail) <= 6:
-            v[4:4 + len(trail)] = trail
+            h[4:4 + len(trail)] = trail
         else:
-            v[4] = zlib.crc32(repr(trail).encode()) | 1 << 40
-        v[_OWN] = shape[0] if shape else -1
+            h[4] = zlib.crc32(repr(trail).encode()) | 1 << 40
+        h[_OWN] = shape[0] if shape else -1
     if base is not None:
-        v[10] = _OPS.index(base) if isinstance(base, ReduceOp) else base
-    v[_SZ] = zlib.crc32(repr(sizes).encode()) if sizes is not None else -1
-    v[_HDR:] = extra
+        h[10] = _OPS.index(base) if isinstance(base, ReduceOp) else base
+    h[_SZ] = zlib.crc32(repr(sizes).encode()) if sizes is not None else -1
+    v = np.array(h + list(extra), np.int64)
     allv = np.empty((g.size, len(v)), np.int64)
     g.disp.watched(code, lambda: g.mpi_comm.Allgather([v, MPI.INT64_T], [allv, MPI.INT64_T]))
     # scatter: only the root's x is known; ranks without an out= give no dtype (-1: any)
+    if (allv[:, _SAME] == v[_SAME]).all():   # (the common case: every field alike on every rank)
+        return allv
     known = allv[:, 1] != -1
     fields = {"collective": [0], "dtype": [1], "trailing shape": list(range(3, 10)), "op or root": [10],
               "sizes": [_SZ]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Sequence
 
 from . import _state
@@ -12,7 +13,7 @@ from ._mpi import load as load_mpi
 from ._ops import CREATE_GROUP, DESTROY_GROUP
 from ._reliability import Reliability
 from ._reliability.progress import ghash
-from ._reliability.init_guard import InitGuard
+from ._reliability.init_guard import InitGuard, StartGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
 from ._topology import gpu_count, local_comm
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
@@ -78,10 +79,17 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
                       "the same arguments as the first call "
                       f"{dict(zip(names, CTX.init_key))} "
                       "(call finalize() first to change them)")
-    MPI = load_mpi()  # here, not at import: importing mpicomm must not start MPI
-
-    if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    # MPI's start waits for every rank of the job, holding the GIL: watched from a helper
+    # process (where mpi4py has started MPI already, at the program's own import, nothing is left to watch)
+    mod = sys.modules.get("mpi4py.MPI")
+    start = StartGuard(float(timeout)) if mod is None or not mod.Is_initialized() else None
+    try:
+        MPI = load_mpi()  # here, not at import: importing mpicomm must not start MPI
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    finally:
+        if start is not None:
+            start.done()
     guard = InitGuard(float(timeout), MPI.COMM_WORLD.Get_rank())   # until the watchdog takes over
     try:
         _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check)

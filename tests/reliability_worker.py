@@ -111,6 +111,16 @@ def main():
         say("after", mpicomm.is_initialized(), float(mpicomm.all_reduce(np.ones(1))[0]))
         return
 
+    if MODE == "late_start":  # rank 1 starts MPI (its own init()) LATE_S seconds after the others
+        if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "1":   # (MPI not started yet)
+            lagging_here(float(os.environ["LATE_S"]))
+        mpicomm.init(backend="nccl" if GPU else None)
+        r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+        got = mpicomm.all_reduce(np.random.default_rng([r, 11]).standard_normal(3))
+        want = sum(np.random.default_rng([q, 11]).standard_normal(3) for q in range(n))
+        say("finished", "ok" if np.allclose(got, want) else "WRONG")
+        return
+
     if MODE == "late_init":  # rank 1 comes to init() long after the others
         if rank_of_world() == 1:
             lagging_here(120)

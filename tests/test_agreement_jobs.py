@@ -113,7 +113,7 @@ print(f"rank {r}: done in {time.monotonic() - t0:.1f} s", flush=True)
 """
 
 CAUGHT_CASES = {
-    # splits that disagree (compared by MPI only): MPI's truncation on some rank, inside the call
+    # splits that disagree: compared by the exchange before the call, raised on every rank
     "all_to_all_splits": "mpicomm.all_to_all(rng.standard_normal(2 * n).astype(np.float32), in_splits=[2] * n, "
                          "out_splits=[3 if last else 2] * n)",
     # another element count, started asynchronously: the others wait in Work.wait

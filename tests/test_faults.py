@@ -681,6 +681,35 @@ def test_init_is_watched(gpu):
     assert "RESULT" not in p.stdout
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_init_with_a_peer_late_to_start_mpi_succeeds_within_the_timeout(n):
+    """Rank 1 calls init() (its first MPI call: MPI starts there) a third of the timeout after
+    the others, whose MPI start waits for it: every rank's init succeeds and the first
+    collective is right."""
+    limit = 21
+    p, took = run(n, "late_start", limit=limit + 60, env={"MPICOMM_TIMEOUT": str(limit), "LATE_S": str(limit / 3)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = results(p)
+    assert all(res.get(r) == ["finished ok"] for r in range(n)), (res, p.stderr[-3000:])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_init_with_a_peer_that_never_starts_mpi_ends_the_job_naming_the_stage(n):
+    """Rank 1 never calls init() within the job's life (it sleeps far past the timeout): the
+    others, waiting in MPI's start (MPI_Init, which holds the GIL), report at the timeout that
+    init did not complete, naming that stage, and the job ends; nothing is left running."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(n, "late_start", limit=TIMEOUT + 60, env={"LATE_S": "600"}, token=token)
+    nothing_left(token)
+    assert p.returncode != 0 and took < TIMEOUT + 15, (p.returncode, took, p.stderr[-3000:])
+    # the first waiting rank whose timeout passes reports and ends the job (the others' reports
+    # may be cut short by the end of the job)
+    m = re.search(r"^[ \t]*\[mpicomm rank (\d+)\] CollectiveTimeoutError: rank \1: init\(\) did not complete "
+                  rf"within {TIMEOUT} s; stage: starting MPI \(MPI_Init", p.stderr, re.M)
+    assert m and m.group(1) != "1", p.stderr[-3000:]
+    assert "RESULT" not in p.stdout
+
+
 def test_sigusr1_prints_stacks_and_writes_flight_records(tmp_path):
     """kill -USR1 of mpirun (passed on to every rank): each rank prints its Python stack,
     writes it and its flight record, and goes on (the job then ends normally)."""

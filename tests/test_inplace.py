@@ -164,6 +164,117 @@ def test_reduce_scatter_and_all_gather_in_place_forms(low_threshold):
         np.testing.assert_array_equal(o, np.concatenate([of(j, f"ag{count}", count) for j in range(n)]))
 
 
+# ------------------------------------------------ reduce_scatter into the head of x (MPI's form)
+
+def rs_cases():
+    """Every dtype and every op it allows (test_collectives' tables)."""
+    from test_collectives import DTYPES, allowed
+
+    return [(dt, op) for dt in DTYPES for op in ReduceOp if allowed(op, dt)]
+
+
+def rs_expect(key, shape, dt, op, n, k):
+    """Chunk k of the reduction of every rank's ``data(rank, key, shape, dt, op)``."""
+    from test_collectives import data, reduce_np
+
+    c = shape[0] // n
+    return reduce_np([data(j, key, shape, dt, op) for j in range(n)], op)[k * c:(k + 1) * c]
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("rows", [5, 3000])   # elements of a chunk (x 2): 3000 reaches the shm threshold
+def test_reduce_scatter_into_head_of_x(low_threshold, rows, async_op):
+    """reduce_scatter(x, out=x[:c]) on every rank, as MPI_IN_PLACE users of MPI_Reduce_scatter_block
+    write it: rank r's chunk of the reduction lands at the start of x on every rank (rank 0 and
+    the others alike), for every dtype and op; out is returned."""
+    from test_collectives import close, data
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    shape = (n * rows, 2)
+    for dt, op in rs_cases():
+        key = f"rshead{rows}{np.dtype(dt).name}{op.value}"
+        x = data(r, key, shape, dt, op)
+        out = x[:rows]
+        res = mpicomm.reduce_scatter(x, op, out=out, async_op=async_op)
+        if async_op:
+            res = res.wait()
+        assert res is out
+        close(out, rs_expect(key, shape, dt, op, n, r), dt)
+    y = mpicomm.all_reduce(of(r, "rsheadafter", 7))   # nothing left pending
+    np.testing.assert_array_equal(y, expect("rsheadafter", 7, ReduceOp.SUM, n))
+
+
+def test_reduce_scatter_into_head_repeated(comm):
+    """50 calls in a row, the same signature (the prepared call reused) and then others: each
+    gives MPI's in-place result at the head of x on every rank."""
+    from test_collectives import close, data
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for i in range(50):
+        dt, op = [(np.float64, ReduceOp.SUM), (np.int32, ReduceOp.MAX), (np.float32, ReduceOp.MIN)][i // 20]
+        key = f"rsrep{i}"
+        x = data(r, key, (n * 4,), dt, op)
+        assert mpicomm.reduce_scatter(x, op, out=x[:4]) is not None
+        close(x[:4], rs_expect(key, (n * 4,), dt, op, n, r), dt)
+
+
+def test_reduce_scatter_into_any_chunk_of_x(low_threshold):
+    """out= any one of x's n chunks is accepted alike on every rank (the test is the same on
+    every rank): the head (MPI's form), this rank's chunk (NCCL's), another one. The result is
+    this rank's chunk of the reduction, written into out."""
+    from test_collectives import close, data
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for rows in (3, 3000):
+        for k in range(n):
+            key = f"rschunk{rows}{k}"
+            x = data(r, key, (n * rows,), np.float64)
+            out = x[k * rows:(k + 1) * rows]
+            assert mpicomm.reduce_scatter(x, out=out) is out
+            close(out, rs_expect(key, (n * rows,), np.float64, ReduceOp.SUM, n, r), np.float64)
+
+
+def test_reduce_scatter_sizes_into_head_of_x(comm):
+    """With sizes=, out= the head of x (x[:sizes[rank]], MPI_Reduce_scatter's in-place form) or
+    this rank's part of x: rank r's part of the reduction, on every rank."""
+    from test_collectives import close, data, reduce_np
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    sizes = [2 + (j % 3) for j in range(n)]
+    lo = sum(sizes[:r])
+    for form in ("head", "part"):
+        for op in (ReduceOp.SUM, ReduceOp.MAX):
+            key = f"rsv{form}{op.value}"
+            shape = (sum(sizes), 3)
+            x = data(r, key, shape, np.int64, op)
+            out = x[:sizes[r]] if form == "head" else x[lo:lo + sizes[r]]
+            assert mpicomm.reduce_scatter(x, op, out=out, sizes=sizes) is out
+            exp = reduce_np([data(j, key, shape, np.int64, op) for j in range(n)], op)[lo:lo + sizes[r]]
+            close(out, exp, np.int64)
+
+
+@pytest.mark.parametrize("rows", [4, 3000])
+def test_reduce_scatter_other_overlaps_refused_promptly(low_threshold, rows):
+    """out= overlapping x but not one of its chunks (one element off the head, half a chunk
+    in): InvalidArgumentError on every rank within 2 s each (no rank takes part, none waits),
+    x untouched; the group goes on."""
+    import time
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for i, start in enumerate((1, rows // 2, n * rows - rows + 1)):
+        buf = of(r, f"rsbad{rows}{i}", n * rows + 2)
+        keep = buf.copy()
+        x = buf[:n * rows]
+        t0 = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match=OVERLAP_MSG):
+            mpicomm.reduce_scatter(x, out=buf[start:start + rows])
+        assert time.monotonic() - t0 < 2.0
+        np.testing.assert_array_equal(buf, keep)
+    x = of(r, "rsbadafter", n * rows)
+    assert mpicomm.reduce_scatter(x, out=x[:rows]) is not None
+    np.testing.assert_array_equal(x[:rows], np.split(expect("rsbadafter", n * rows, ReduceOp.SUM, n), n)[r])
+
+
 # -------------------------------------------------------------------- overlap
 
 OVERLAP_MSG = r"invalid out='an array that overlaps x': expected x itself or a view of exactly x's memory"
@@ -246,6 +357,30 @@ def test_broadcast_into_read_only_raises_everywhere(comm, tmp_path, what):
             mpicomm.broadcast(x, root=root)
     y = mpicomm.all_reduce(of(r, "fine2", 5))   # nothing pending
     np.testing.assert_array_equal(y, expect("fine2", 5, ReduceOp.SUM, n))
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3)])
+def test_zero_length_dlpack_broadcast_and_in_place(comm, shape):
+    """A zero-length buffer known only through DLPack: broadcast from every root fills it as it
+    fills an empty NumPy array (nothing to write, so never refused as read-only, even where the
+    export is marked read-only), on every rank; in-place all_reduce alike. The next call sees
+    the group as it was."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    for ro in (False, True):
+        for root in range(n):
+            a = np.zeros(shape, np.float32)
+            a.flags.writeable = not ro
+            d = DLPackOnly(a)
+            assert mpicomm.broadcast(d, root=root) is d
+            assert np.from_dlpack(d).shape == shape
+            e = np.zeros(shape, np.float32)   # what NumPy's empty array does
+            assert mpicomm.broadcast(e, root=root) is e
+        a = np.zeros(shape, np.float64)
+        a.flags.writeable = not ro
+        d = DLPackOnly(a)
+        assert mpicomm.all_reduce(d, out=d) is d
+    y = mpicomm.all_reduce(of(r, "zlen", 6))
+    np.testing.assert_array_equal(y, expect("zlen", 6, ReduceOp.SUM, n))
 
 
 def test_read_only_dlpack_refused_everywhere(comm):

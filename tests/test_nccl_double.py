@@ -220,6 +220,32 @@ def test_roles_out_in_place_and_nccl_slots(cp, async_op, request):
     close(h, full)
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("which", ["world", "sub"])
+def test_reduce_scatter_into_a_chunk_of_x(cp, which, async_op, request):
+    """out= any one of x's n chunks, on every rank alike: the head of x (MPI's in-place form,
+    staged through a new array: NCCL's in-place form is this rank's own chunk), this rank's
+    own chunk (NCCL in place), another; every dtype and op. Other overlaps are refused."""
+    g, ranks, n, me = ctx(which)
+    if me is None:
+        return
+    for dt in DTYPES:
+        for op in OPS:
+            if not allowed(op, dt):
+                continue
+            for k in range(n):
+                key = f"{request.node.name}{dt}{op.value}{k}"
+                xs = [data(w, key, (2 * n, 3), dt, op) for w in ranks]
+                x = cp.asarray(xs[me])
+                out = x[2 * k:2 * k + 2]
+                assert done(mpicomm.reduce_scatter(x, op, out=out, group=g, async_op=async_op), async_op) is out
+                close(out.get(), reduce_np(xs, op)[2 * me:2 * me + 2])
+    x = cp.asarray(data(ranks[me], "rsoff", (2 * n, 3), "float32"))
+    with pytest.raises(InvalidArgumentError, match=r"invalid out='an array that overlaps x'"):
+        mpicomm.reduce_scatter(x.reshape(-1), out=x.reshape(-1)[1:3 * 2 + 1], group=g)
+    close(x.get(), data(ranks[me], "rsoff", (2 * n, 3), "float32"))
+
+
 # ----------------------------------------------------------------------- streams
 def test_explicit_and_current_streams(cp, request):
     """stream= a non-blocking stream, and a stream made current: the double's stream-order

@@ -2,7 +2,8 @@
 
 MPI tests (run under mpirun at 1 to 4 ranks): a receive into an ``out`` smaller than what
 was sent raises CollectiveMismatchError on the receiver, naming ``out``, its size and the
-size sent, and the sender does not hang; bad tags (negative, -1 included, past MPI's
+size sent, and the sender does not hang; so does one into an ``out`` larger than the message
+(naming the sender and both sizes); bad tags (negative, -1 included, past MPI's
 TAG_UB, not ints) are refused on the calling rank before anything is sent, by send, recv,
 sendrecv, P2POp/batch_isend_irecv and the object calls; ``Work.wait`` refuses a timeout
 that is not a number >= 0.
@@ -132,6 +133,66 @@ def test_recv_into_a_smaller_out_names_out_and_what_was_sent(comm, how, dt, requ
                  f"holds {small} elements, {small * np.dtype(dt).itemsize} bytes",
                  f"rank {p} sent {sent} bytes = {m} {np.dtype(dt)} elements"):
         assert part in msg, (part, msg)
+    # the channel is clean: a matched exchange of the right size gets the partner's data
+    right = np.empty(m, dt)
+    got = mpicomm.sendrecv(x, p, right, tag=tag + 1)
+    np.testing.assert_array_equal(got, payload(p, key, dt))
+    barrier_sees_no_message()
+
+
+# ------------------------------------------------------------------ out larger than the message
+@pytest.mark.mpi
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("how", ["recv", "recv_async", "sendrecv", "sendrecv_async", "batch"])
+def test_recv_into_a_larger_out_names_the_sender_and_both_sizes(comm, how, dt, request):
+    """A message shorter than out (MPI receives it into out's head without a word) raises
+    CollectiveMismatchError on the receiving rank, naming the sender, the size received and
+    out's (a receive takes exactly out's size, as torch.distributed.recv); the sender returns."""
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    p = partner(r, n)
+    tag = the_tag(key)
+    x = payload(r, key, dt)
+    m = count_of(p, key)                          # what the partner sends
+    big = m + int(rank_rng(r, key + "big").integers(1, 50))   # room for more than that
+    out = np.full(big, 7, dt)
+    sent = m * np.dtype(dt).itemsize
+    err = None
+    if p == r and how not in ("sendrecv", "sendrecv_async"):   # (a blocking recv from oneself is refused)
+        barrier_sees_no_message()
+        return
+    try:
+        if how == "recv":
+            if r < p:
+                mpicomm.send(x, p, tag=tag)
+                mpicomm.recv(out, p, tag=tag)
+            else:
+                try:
+                    mpicomm.recv(out, p, tag=tag)
+                finally:
+                    mpicomm.send(x, p, tag=tag)
+        elif how == "recv_async":
+            w = mpicomm.recv(out, p, tag=tag, async_op=True)
+            mpicomm.send(x, p, tag=tag)
+            w.wait()
+        elif how == "sendrecv":
+            mpicomm.sendrecv(x, p, out, tag=tag)
+        elif how == "sendrecv_async":
+            mpicomm.sendrecv(x, p, out, tag=tag, async_op=True).wait()
+        else:
+            with mpicomm.batch():
+                mpicomm.send(x, p, tag=tag)
+                mpicomm.recv(out, p, tag=tag)
+    except mpicomm.MpicommError as e:
+        err = e
+    assert isinstance(err, mpicomm.CollectiveMismatchError), repr(err)
+    msg = str(err)
+    for part in (f"rank {r}:", f"rank {p} (tag {tag}): the message is shorter than out",
+                 f"rank {p} sent {sent} bytes = {m} {np.dtype(dt)} elements",
+                 f"out (shape ({big},), dtype {np.dtype(dt)}) holds {big} elements, {big * np.dtype(dt).itemsize} bytes"):
+        assert part in msg, (part, msg)
+    if p != r:   # received: the head of out holds the message (with oneself, refused before MPI)
+        np.testing.assert_array_equal(out[:m], payload(p, key, dt))
     # the channel is clean: a matched exchange of the right size gets the partner's data
     right = np.empty(m, dt)
     got = mpicomm.sendrecv(x, p, right, tag=tag + 1)

@@ -2,6 +2,8 @@
 gather and scatter, on the world and a sub-group, with zero-length ranks, checked against
 expectations computed with NumPy from every rank's rank-seeded data; bad sizes and calls
 that differ between ranks raise on every rank."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -313,6 +315,70 @@ def test_mindspore_alltoall_bad_arguments(comm):
         mpicomm.ops.AlltoAll(0, 0, 0)
     with pytest.raises(mpicomm.InvalidArgumentError, match="split_dim"):
         mpicomm.ops.AlltoAll(n, 3, 0)(np.ones((n, n)))
+
+
+@pytest.mark.parametrize("off", [1, -1], ids=["more", "fewer"])
+@pytest.mark.parametrize("which", GROUPS)
+def test_all_to_all_splits_that_do_not_pair_up_raise_everywhere(comm, subgroup, which, off, request):
+    """Rank j expects from rank i another number of rows than rank i sends (in_splits[j] there
+    != out_splits[i] here): CollectiveMismatchError on every rank, naming both ranks and both
+    values, before any data moves (never rows left unwritten); the group goes on."""
+    g, ranks, n, me = ctx(which, subgroup)
+    if me is None:
+        return
+    if not (mpicomm._state.CTX.check or mpicomm._state.CTX.debug):
+        pytest.skip("explicit splits are compared with the agreement check on (MPICOMM_CHECK=0 here)")
+    key = request.node.name
+    rng = np.random.default_rng(zlib.crc32(key.encode()))   # the same on every rank: which pair
+    S = (rng.integers(1, 4, (n, n))).tolist()
+    i, j = int(rng.integers(n)), int(rng.integers(n))
+    outs = [S[q][me] for q in range(n)]
+    if me == j:
+        outs[i] += off
+    x = data(ranks[me], key, (sum(S[me]), 2), np.float32)
+    with pytest.raises(mpicomm.CollectiveMismatchError, match="do not pair up") as e:
+        mpicomm.all_to_all(x, group=g, in_splits=S[me], out_splits=outs)
+    msg = str(e.value)
+    assert f"rank {i}" in msg and f"rank {j}" in msg, msg
+    assert f"in_splits[{j}] = {S[i][j]} there" in msg and f"out_splits[{i}] = {S[i][j] + off} there" in msg, msg
+    # in_splits alone: out's axis 0 split evenly, which rank j's in_splits do not match
+    if n > 1:
+        ins = [2] * n
+        if me == i:
+            ins = [2 + (q == j) - (q == (j + 1) % n) for q in range(n)]
+        with pytest.raises(mpicomm.CollectiveMismatchError, match="do not pair up"):
+            mpicomm.all_to_all(data(ranks[me], key + "e", (2 * n, 2), np.float32), group=g, in_splits=ins)
+    # the group goes on: a matching call returns every rank's rows
+    xs = [data(ranks[q], key + "ok", (sum(S[q]), 2), np.float32) for q in range(n)]
+    got = mpicomm.all_to_all(xs[me], group=g, in_splits=S[me], out_splits=[S[q][me] for q in range(n)])
+    close(got, np.concatenate([xs[q][sum(S[q][:me]):sum(S[q][:me + 1])] for q in range(n)]), np.float32)
+
+
+def test_all_to_all_splits_refused_on_one_rank_raise_everywhere(comm, request):
+    """One rank's splits are invalid there (in_splits that do not add up to its x, out_splits
+    'auto' against lists): it raises InvalidArgumentError naming them, the others a refusal
+    naming that rank, at once (no one waits in the call); the group goes on."""
+    import time
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    if not (mpicomm._state.CTX.check or mpicomm._state.CTX.debug):
+        pytest.skip("explicit splits are compared with the agreement check on (MPICOMM_CHECK=0 here)")
+    key = request.node.name
+    x = data(r, key, (2 * n, 2), np.float64)
+    ins = [2] * n
+    if r == n - 1:
+        ins[0] = 3
+    t0 = time.monotonic()
+    with pytest.raises(mpicomm.InvalidArgumentError, match=("add up to x.shape" if r == n - 1 else
+                                                            f"rank {n - 1} refused all_to_all")):
+        mpicomm.all_to_all(x, in_splits=ins, out_splits=[2] * n)
+    assert time.monotonic() - t0 < 2.0
+    if n > 1:
+        with pytest.raises(mpicomm.CollectiveMismatchError, match=f"out_splits='auto' on rank {n - 1}"):
+            mpicomm.all_to_all(x, in_splits=[2] * n, out_splits="auto" if r == n - 1 else [2] * n)
+    xs = [data(q, key + "ok", (2 * n, 2), np.float64) for q in range(n)]
+    got = mpicomm.all_to_all(xs[r], in_splits=[2] * n, out_splits="auto")
+    close(got, np.concatenate([xs[q][2 * r:2 * r + 2] for q in range(n)]), np.float64)
 
 
 # -------------------------------------------------------------------- bad input

@@ -250,6 +250,11 @@ class GPUArrays:
             def out_of(x, xa, xp, out):
                 o, p = given_out(bind, out, tshape, dtype)
                 if overlap(p, nbytes(o, kind), xp, nbytes(xa, kind)) and not slot(p, xp):
+                    if code == REDUCE_SCATTER and onb and 0 <= p - xp < xnb and (p - xp) % onb == 0:
+                        # out is another of x's chunks (its head: MPI's in-place form): the
+                        # result goes through a new array, copied into out after the call
+                        t = empty()
+                        return t, ptr(t), out
                     raise invalid("out", "an array that overlaps x", "x itself or a view of exactly x's "
                                   "memory (in place), or an array that shares no memory with x")
                 return o, p, out

@@ -77,9 +77,14 @@ class MPITransport(SizedCalls, PointToPoint):
             address(x) == address(o) + self.rank * x.nbytes
 
     def _slot_scatter(self, o, x):
-        """``o`` is exactly this rank's part of reduce_scatter's input ``x`` (in place)."""
-        return x.nbytes == self.size * o.nbytes and \
-            address(o) == address(x) + self.rank * o.nbytes
+        """``o`` is exactly one of the n chunks of reduce_scatter's input ``x``: its head (MPI's
+        in-place form), this rank's chunk (NCCL's), or another. The same test on every rank
+        (whatever the rank, an ``out=`` written alike is accepted alike or refused alike)."""
+        nb = o.nbytes
+        if not nb or x.nbytes != self.size * nb:
+            return False
+        d = address(o) - address(x)
+        return 0 <= d < x.nbytes and d % nb == 0
 
     # ----------------------------------------------------------- collectives
     def _prepare_all_reduce(self, x, out, op, async_op, stream):
@@ -258,7 +263,7 @@ class MPITransport(SizedCalls, PointToPoint):
         role = role_of(x, out)
         avg, upcast, nbytes, size = op is _AVG, row.upcast, xh.nbytes, xh.size
         nd = divisor(row, n)
-        ooff = self.rank * (nbytes // n)   # where out starts in x in the in-place form
+        inplace = MPI.IN_PLACE
         what = ("reduce_scatter", shape, dtype)
 
         if x.__class__ is np.ndarray and role is not IN_PLACE and not upcast and size <= MAX_COUNT and not async_op:
@@ -270,9 +275,15 @@ class MPITransport(SizedCalls, PointToPoint):
                 elif plain_out(out, x, oshape, dtype):
                     o = out
                 elif nbytes < shm.min_reduce_scatter and out.__class__ is np.ndarray and out.dtype is dtype \
-                        and out.shape == oshape and out.flags.carray and address(out) == address(x) + ooff:
-                    # in place: out is this rank's part of x; MPI's send and receive buffers
-                    # must not overlap, so the result goes through a temporary
+                        and out.shape == oshape and out.flags.carray and slot(out, x):
+                    if x.flags.writeable and address(out) == address(x):
+                        # out is the head of x: MPI's in-place form, the result at x's start
+                        comm.Reduce_scatter_block(inplace, [x, dt], mop)
+                        if avg:
+                            np.divide(out, nd, out=out)
+                        return out
+                    # out is another chunk of x: MPI's send and receive buffers must not
+                    # overlap, so the result goes through a temporary
                     t = np.empty(oshape, dtype)
                     comm.Reduce_scatter_block([x, dt], [t, dt], mop)
                     if avg:
@@ -291,9 +302,10 @@ class MPITransport(SizedCalls, PointToPoint):
 
         def run_any(x, out):
             xh, o, fin = self._bind(x, out, role, oshape, dtype, slot)
-            # in place (out is this rank's part of x): MPI's in-place form keeps the result
-            # elsewhere, so reduce into a temporary and copy it there
+            # out is one of x's chunks: the head of x takes MPI's in-place form (the result
+            # lands at x's start); another chunk gets the result through a temporary
             part = role is OUT and o is not xh and np.may_share_memory(o, xh)
+            head = o is xh or part and not upcast and xh.flags.writeable and address(o) == address(xh)
             if not async_op and not part and nbytes >= shm.min_reduce_scatter \
                     and shm.reduce_scatter(xh, o, row, op) is not None:
                 return fin(o) if fin is not None else (out if role is OUT else o)
@@ -304,8 +316,8 @@ class MPITransport(SizedCalls, PointToPoint):
                 t, r = xh.astype(F32), np.empty(oshape, F32)
                 sb, rb = [t, MPI.FLOAT], [r, MPI.FLOAT]
             else:
-                t, r = None, (np.empty(oshape, dtype) if part else o)
-                sb, rb = (MPI.IN_PLACE if o is xh else [xh, dt]), [r, dt]
+                t, r = None, (np.empty(oshape, dtype) if part and not head else o)
+                sb, rb = (MPI.IN_PLACE if head else [xh, dt]), [xh if head else r, dt]
             post = reduced_post(r, o, n, avg, fin)   # (r is not o where upcast or part)
             res = self._start(lambda: comm.Reduce_scatter_block(sb, rb, mop),
                               lambda: comm.Ireduce_scatter_block(sb, rb, mop),

@@ -1,7 +1,10 @@
 """Point to point on the MPI transport: send, recv and sendrecv (blocking, or a Work), and the barrier.
 
-A receive into an ``out`` smaller than the message sent raises CollectiveMismatchError
-naming ``out``, its size and the size sent, instead of MPI's bare MPI_ERR_TRUNCATE.
+A receive takes a message of exactly ``out``'s size, as torch.distributed's recv: into an
+``out`` smaller than the message sent it raises CollectiveMismatchError naming ``out``, its
+size and the size sent, instead of MPI's bare MPI_ERR_TRUNCATE; a shorter message (which MPI
+receives into the head of ``out`` without a word) raises the same error naming the sender,
+the size received and out's, once the message has arrived (on the receiving rank).
 """
 from __future__ import annotations
 
@@ -19,22 +22,29 @@ from .mpi_common import HostSteps, MPIWork
 class _RecvWork(MPIWork):
     """An async recv or sendrecv (its receive the last request): polled with statuses, so
     that a message larger than ``out`` raises CollectiveMismatchError naming ``out``, its
-    size and the size sent, instead of MPI's bare MPI_ERR_TRUNCATE."""
+    size and the size sent, instead of MPI's bare MPI_ERR_TRUNCATE, and a shorter one the
+    same error naming the size received."""
 
-    __slots__ = ("_sts", "_fail", "_err")
+    __slots__ = ("_sts", "_fail", "_short", "_err")
 
-    def __init__(self, reqs, result, what, post, keep, fail):
+    def __init__(self, reqs, result, what, post, keep, fail, short):
         super().__init__(reqs, result, what, post, keep)
         self._sts = [MPI.Status() for _ in reqs]
         self._fail = fail      # (MPI error, the receive's status) -> the error to raise
+        self._short = short    # the receive's status -> the error for a short message, or None
         self._err = None
 
     def _poll(self):
         if self._err is None:
             try:
-                return MPI.Request.Testall(self._reqs, self._sts)
+                if not MPI.Request.Testall(self._reqs, self._sts):
+                    return False
             except MPI.Exception as e:
                 self._err = self._fail(e, self._sts[-1])
+            else:
+                self._err = self._short(self._sts[-1])
+                if self._err is None:
+                    return True
         raise self._err
 
 
@@ -59,6 +69,15 @@ def _recv_error(e, st, o, peer, tag, rank, call):
     return _too_small(o, sent if sent != MPI.UNDEFINED and sent > o.nbytes else None, peer, tag, rank, call)
 
 
+def _self_error(o, sent, tag, rank):
+    """sendrecv with oneself whose out is not the size of x: the error of the longer or the
+    shorter message, raised before MPI."""
+    call = "sendrecv: recv from"
+    if o.nbytes < sent:
+        return _too_small(o, sent, rank, tag, rank, call)
+    return _short_error(sent, o, rank, tag, rank, call, wrote=False)
+
+
 def _too_small(o, sent, peer, tag, rank, call):
     """CollectiveMismatchError: the message from ``peer`` (``sent`` bytes; None: unknown) is
     larger than ``out`` (host array ``o``)."""
@@ -72,6 +91,21 @@ def _too_small(o, sent, peer, tag, rank, call):
         f"rank {rank}: {call} rank {peer} (tag {tag}): the message is larger than out: {have}, and {what}. "
         "The calls disagree on the size (or dtype): give out= room for the whole message"
         + ("; out's contents are undefined" if peer != rank else ""))
+
+
+def _short_error(got, o, peer, tag, rank, call, wrote=True):
+    """CollectiveMismatchError where the message received into host array ``o`` from ``peer``
+    (``got`` bytes: the receive status's count) was shorter than ``o``; None where it filled ``o``.
+    ``wrote``: the message was received (into the head of ``o``), else refused before."""
+    if got == o.nbytes or got == MPI.UNDEFINED:
+        return None
+    whole = f" = {got // o.itemsize} {o.dtype} elements" if o.itemsize and got % o.itemsize == 0 else ""
+    return CollectiveMismatchError(
+        f"rank {rank}: {call} rank {peer} (tag {tag}): the message is shorter than out: rank {peer} sent "
+        f"{got} bytes{whole}, and out (shape {tuple(o.shape)}, dtype {o.dtype}) holds {o.size} elements, "
+        f"{o.nbytes} bytes. A receive takes a message of exactly out's size (as torch.distributed.recv): "
+        "the calls disagree on the size (or dtype)" + ("; only the head of out was written" if wrote else
+                                                         "; out was not written"))
 
 
 class PointToPoint(HostSteps):
@@ -89,14 +123,17 @@ class PointToPoint(HostSteps):
                 and out.flags.carray and not ((out.base is not None or x.base is not None)
                                               and np.may_share_memory(out, x)) and out is not x:
             # NumPy in and out, apart: straight to MPI
-            if src == dst == self.rank and out.nbytes < x.nbytes:   # (as below)
-                raise _too_small(out, x.nbytes, src, tag, self.rank, "sendrecv: recv from")
+            if src == dst == self.rank and out.nbytes != x.nbytes:   # (as below)
+                raise _self_error(out, x.nbytes, tag, self.rank)
             st = MPI.Status()
             try:
                 comm.Sendrecv([x, of_numpy(x.dtype).mpi], dst, tag, [out, of_numpy(out.dtype, "out").mpi], src, tag,
                               st)
             except MPI.Exception as e:
                 raise _recv_error(e, st, out, src, tag, self.rank, "sendrecv: recv from") from e
+            e = _short_error(st.Get_count(MPI.BYTE), out, src, tag, self.rank, "sendrecv: recv from")
+            if e is not None:
+                raise e
             return out
         h, back = to_host(x)
         if out is None:
@@ -107,10 +144,10 @@ class PointToPoint(HostSteps):
             res = out
             if np.may_share_memory(o, h):   # MPI's buffers must differ: send a copy
                 h = h.copy()
-        if src == dst == self.rank and o.nbytes < h.nbytes:
+        if src == dst == self.rank and o.nbytes != h.nbytes:
             # with oneself the sizes are known here: checked before MPI, whose self path
             # (Open MPI 5's btl self) writes a message larger than out past out's end
-            raise _too_small(o, h.nbytes, src, tag, self.rank, "sendrecv: recv from")
+            raise _self_error(o, h.nbytes, tag, self.rank)
         sb, rb = [h, of_numpy(h.dtype).mpi], [o, of_numpy(o.dtype, "out").mpi]
 
         def post():
@@ -124,14 +161,20 @@ class PointToPoint(HostSteps):
 
         def fail(e, st):
             return _recv_error(e, st, o, src, tag, rank, "sendrecv: recv from")
+
+        def short(st):
+            return _short_error(st.Get_count(MPI.BYTE), o, src, tag, rank, "sendrecv: recv from")
         if async_op:
             return _RecvWork([comm.Isend(sb, dst, tag), comm.Irecv(rb, src, tag)], res if res is not None else o,
-                             what, post, (h, o), fail)
+                             what, post, (h, o), fail, short)
         st = MPI.Status()
         try:
             comm.Sendrecv(sb, dst, tag, rb, src, tag, st)
         except MPI.Exception as e:
             raise fail(e, st) from e
+        e = short(st)
+        if e is not None:
+            raise e
         r = post()
         return r if r is not None else res
 
@@ -166,13 +209,19 @@ class PointToPoint(HostSteps):
 
             def fail(e, st):   # a message larger than out: named, with the size sent
                 return _recv_error(e, st, o, peer, tag, rank, "recv from")
+
+            def short(st):     # a shorter one: named, with the size received
+                return _short_error(st.Get_count(MPI.BYTE), o, peer, tag, rank, "recv from")
             if async_op:
-                return _RecvWork([comm.Irecv(b, peer, tag)], x, ("recv", o.shape, o.dtype), post, (o,), fail)
+                return _RecvWork([comm.Irecv(b, peer, tag)], x, ("recv", o.shape, o.dtype), post, (o,), fail, short)
             st = MPI.Status()
             try:
                 comm.Recv(b, peer, tag, st)
             except MPI.Exception as e:
                 raise fail(e, st) from e
+            e = short(st)
+            if e is not None:
+                raise e
             if post is not None:
                 r = post()
                 if r is not None:

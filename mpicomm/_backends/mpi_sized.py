@@ -261,7 +261,11 @@ class SizedCalls(HostSteps):
         check_op_dtype(op, row)
         n, comm, dt, dtype, mop = self.size, self.comm, row.mpi, xh.dtype, self._ops(row)[op]
         counts, displs, oshape = reduce_scatter_layout(xh.shape, sizes, self.rank)
-        slot = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
+        part = self._slot_v(counts, displs, dtype.itemsize, out_is_part=True)
+        onb = counts[self.rank] * dtype.itemsize
+
+        def slot(o, x):   # out is this rank's part of x (NCCL's form) or its head (MPI's)
+            return part(o, x) or (o.nbytes == onb and onb > 0 and address(o) == address(x))
         self._check_role(x, out, xh, oshape, "reduce_scatter gives rank i sizes[i] rows", slot)
         role = role_of(x, out)
         avg, upcast = op is _AVG, row.upcast

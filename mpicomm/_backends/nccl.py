@@ -270,6 +270,9 @@ class NCCLTransport(GPUArrays, StagedTags):
             if out_of is None and xa is not x:   # broadcast filled a contiguous copy of x: write it back
                 with on():
                     transport._write_back(x, xa, xp, kind)
+            elif out_of is not None and o is not res and res is out:   # the result staged apart from
+                with on():                                             # x (out= one of x's chunks)
+                    transport._write_back(out, o, op_, kind)
             if st is not None:
                 transport.last_stream, transport.last_what = st, what
             if not is_root:
