@@ -145,6 +145,8 @@ class Dispatcher(AgreementPaths):
         b = self.row
         if m[b + AT_POISON]:     # a peer's report, or this rank's own resync due
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
+            if self.last[code] is not p:   # it made the group's fresh communicator: p is the old one's
+                return self.run_new(seq, code, None, x, out, arg, async_op, stream)
         m[b] = seq << 4 | code
         w = seq << 32 | p.sig
         m[self.cb + (seq & CALLS_MASK)] = w   # the ring of calls (mpicomm._reliability.progress)
@@ -185,13 +187,20 @@ class Dispatcher(AgreementPaths):
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
-        m, b = self.mem, self.row
-        if m[b + AT_POISON]:
+        if self.mem[self.row + AT_POISON]:
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
+        return self.run_new(seq, code, key, x, out, arg, async_op, stream)
+
+    def run_new(self, seq, code, key, x, out, arg, async_op, stream):
+        """Call ``seq`` (numbered, a member's report before it taken in) prepared by the
+        transport and run; kept for reuse under ``key`` (None: not kept). ``call`` hands its
+        call here where taking in the report made the group's fresh communicator (the prepared
+        call it had is the old communicator's; dispatch.c does the same)."""
+        m, b = self.mem, self.row
         m[b] = seq << 4 | code
         try:
             # the entry stays the call in progress (the watchdog describes it); only
-            # a reusable one (key not None) is ever matched again
+            # a reusable one is ever matched again
             p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                 if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
             sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)

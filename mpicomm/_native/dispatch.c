@@ -26,12 +26,12 @@ static uint64_t hist_mul = 0, hist_mask = 0;    /* the history's hash step (HMUL
 static int ck_levels = 0, ck_n = 0, ck_shift = 0, ck_step = 0;   /* its checkpoints (CK_*) */
 static int configured = 0;
 
-static PyObject *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned, *s_poisoned_after, *s_differs,
-    *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__;
+static PyObject *s_shape, *s_dtype, *s_call_new, *s_run_new, *s_py_call, *s_poisoned, *s_poisoned_after,
+    *s_differs, *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__;
 
 int dispatch_init(PyObject *m)
 {
-    INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_call_new, "call_new");
+    INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_call_new, "call_new"); INTERN(s_run_new, "run_new");
     INTERN(s_py_call, "py_call"); INTERN(s_poisoned, "poisoned"); INTERN(s_poisoned_after, "poisoned_after");
     INTERN(s_differs, "differs"); INTERN(s_raise_in_call, "raise_in_call"); INTERN(s__group, "_group");
     INTERN(s__seq, "_seq"); INTERN(s__watch, "_watch"); INTERN(s___class__, "__class__");
@@ -40,7 +40,7 @@ int dispatch_init(PyObject *m)
 
 static PyObject *method(PyObject *self, PyObject *name, PyObject *const *args, size_t n)
 {
-    PyObject *a[8];
+    PyObject *a[9];   /* (n <= 8) */
     a[0] = self;
     for (size_t i = 0; i < n; i++)
         a[i + 1] = args[i];
@@ -167,7 +167,8 @@ static PyObject *py_call(PyObject *self, PyObject *const *args)
 /* The call's words before it runs: its number (the seq slot, returned as *seqo, borrowed), a
  * report word looked at, ENTERED, the ring of calls, the host's ring, the flight recorder's
  * entry (Dispatcher.call; its publish()). 0, or -1 with an error (after the number was taken,
- * as in the Python path). */
+ * as in the Python path), or 1 where taking in the report made the group's fresh communicator:
+ * ``p`` is the old one's, and the call goes to run_new (numbered, nothing else published). */
 typedef struct {
     int64_t *m;
     long long b, cb, seq;
@@ -210,6 +211,11 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
         if (t == NULL)
             return -1;
         Py_DECREF(t);
+        PyObject *last = SLOT(self, S_LAST);
+        Py_ssize_t k = PyLong_AsSsize_t(code);
+        if (last == NULL || !PyList_CheckExact(last) || k < 0 || k >= PyList_GET_SIZE(last)
+            || PyList_GET_ITEM(last, k) != p)
+            return 1;
         if (!(c->m = words(SLOT(self, S_MEM), &nm)) || c->b + at_poison >= nm || c->b + ck_end >= nm
             || c->cb + calls_n > nm) {
             PyErr_SetString(PyExc_ValueError, "mpicomm: the group's progress words are gone");
@@ -354,8 +360,14 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
             goto done;
         Py_DECREF(t);
     }
-    if (enter(self, &c, p, args, sig, &seqo) < 0)
+    int e = enter(self, &c, p, args, sig, &seqo);
+    if (e < 0)
         goto done;
+    if (e > 0) {   /* run_new(seq, code, None, x, out, arg, async_op, stream) */
+        PyObject *a[8] = {seqo, args[0], Py_None, args[1], args[2], args[3], args[4], args[5]};
+        r = method(self, s_run_new, a, 8);
+        goto done;
+    }
     r = PyObject_Vectorcall(run, args + 1, 2, NULL);   /* run(x, out) */
     if (r == NULL) {   /* the call is over on this rank: published as raised */
         raised(self, c.seq, args[0]);
