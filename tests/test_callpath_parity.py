@@ -254,43 +254,6 @@ def test_async_repeat_disagreement_leaves_no_work_behind(multi, path, request):
     assert not [c for c in caught if base.DROPPED_WARNING in str(c.message)]
 
 
-@pytest.mark.mpi
-def test_async_barrier_disagreement_leaves_no_work_behind(multi, request):
-    """barrier(async_op=True) on one rank while the others are in an async all_reduce: the
-    barrier's rank finds the other call as its barrier returns and raises
-    CollectiveMismatchError, leaving its barrier's Work (which can never complete) abandoned,
-    not waited for at its next call; the others raise the report in wait(). The order, by
-    acknowledgement: the barrier is called once every other rank's all_reduce is published."""
-    n, r, d = multi
-    finder = 0
-    key = request.node.name
-    checked_sum(n, r, key + "0")
-    base._warned.clear()
-    seq = d.seq + 1
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if r == finder:
-            wait_until(lambda: all(entered(d, j, seq) for j in range(n) if j != finder), f"call {seq} of the others")
-            with pytest.raises(CollectiveMismatchError) as ei:
-                mpicomm.barrier(async_op=True)
-            assert "barrier" in str(ei.value) and "all_reduce" in str(ei.value), ei.value
-            del ei
-            err = "raised"
-        else:
-            w = mpicomm.all_reduce(data(r, key, (4,), np.float32), async_op=True)
-            try:   # (MPI may complete it, matching the barrier's messages: raised at the next call)
-                w.wait()
-                err = None
-            except CollectiveMismatchError as e:
-                err = str(e)
-            del w
-        gc.collect()
-        left = [wk.description for wk in base._dropped]
-        after_disagreement(n, r, key, err)
-    assert not left, f"the Work of a call that raised here is waited for at the next call: {left}"
-    assert not [c for c in caught if base.DROPPED_WARNING in str(c.message)]
-
-
 def prepared_with_out(n, r, key, bad=None):
     """all_reduce of a (4,) float32 with a given out=, twice (the second reuses the first's
     prepared call), checked; then this rank's arrays for the next call of the signature: on
