@@ -27,9 +27,11 @@ Where the compiled call path is built (mpicomm/_native), ``call`` is its C twin
 words and errors to the same methods: call_new, poisoned, raise_in_call); this Python
 ``call`` stays as ``py_call``. Both paths share one definition of each thing they must
 agree on: the words' layout (the C path gets NATIVE_LAYOUT at install), the cache key
-(``call_key``; dispatch.c's key_matches compares with it item by item) and the steps after
-the call (``finish_call``, which dispatch.c's leave() mirrors). tests/test_callpath_parity.py
-drives every branch through both.
+(``call_key``; dispatch.c's key_matches compares with it item by item), the steps before
+the call (``publish``) and those after it (``finish_call``; dispatch.c's enter() and leave()
+mirror them). The Python ``call`` has the key and both sets of steps written out, checked
+statement for statement against those definitions; tests/test_callpath_parity.py checks
+that and drives every branch through both paths.
 """
 from __future__ import annotations
 
@@ -76,8 +78,9 @@ def call_key(x, out, arg, stream, async_op):
     shape and dtype, the op or root, the stream, async or not, and the output's role (a new
     output; in place). AttributeError where ``x`` has no shape or dtype (prepared every time).
 
-    This is the key's one definition: dispatch.c's key_matches compares a call with a key
-    item by item in this order (tests/test_callpath_parity.py checks that both decide alike)."""
+    This is the key's one definition: ``Dispatcher.call`` has it written out, and dispatch.c's
+    key_matches compares a call with a key item by item in this order
+    (tests/test_callpath_parity.py checks both)."""
     return (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)
 
 
@@ -128,12 +131,13 @@ class Dispatcher(AgreementPaths):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root).
 
         The common case written out: the group's last call of this collective had the same
-        signature (``call_key``), so its prepared call runs again, published as ``publish``
-        publishes (written out here). Anything else takes ``call_new``. Every call ends in
-        ``finish_call``."""
+        signature, so its prepared call runs again. Anything else takes ``call_new``. The key,
+        the steps before the call and those after it are ``call_key``, ``publish`` and
+        ``finish_call`` written out (a Python call costs about 4% of this path's time each);
+        tests/test_callpath_parity.py checks that they are theirs, statement for statement."""
         p = self.last[code]
         try:
-            k = call_key(x, out, arg, stream, async_op)
+            k = (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)   # call_key
         except AttributeError:   # no shape or dtype: prepared every time
             k = ()
         if k != p.key:
@@ -141,13 +145,15 @@ class Dispatcher(AgreementPaths):
         if _DROPPED:   # Works dropped unwaited complete first (their buffers are kept)
             complete_dropped()
         seq = self.seq = self.seq + 1
+        v = seq << 4 | code
         m = self.mem
         b = self.row
         if m[b + AT_POISON]:     # a peer's report, or this rank's own resync due
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
             if self.last[code] is not p:   # it made the group's fresh communicator: p is the old one's
                 return self.run_new(seq, code, None, x, out, arg, async_op, stream)
-        m[b] = seq << 4 | code
+        m[b] = v
+        # publish, written out
         w = seq << 32 | p.sig
         m[self.cb + (seq & CALLS_MASK)] = w   # the ring of calls (mpicomm._reliability.progress)
         h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK   # the group's history
@@ -163,7 +169,24 @@ class Dispatcher(AgreementPaths):
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
             self.raise_in_call(seq, code, e)
-        return self.finish_call(seq, code, w, r, async_op)
+        # finish_call, written out
+        if async_op:
+            r._group, r._seq = self.group, seq
+            r._watch = self.watch
+            m[b + AT_DONE] = v
+        if m[b + AT_POISON]:
+            self.poisoned_after(seq, code)
+        if sh is not None:
+            k = seq & HOST_MASK
+            pw = self.p1[self.p1b + k]
+            if pw != w and pw >> 32 == seq:
+                self.differs(seq, code, self.p1j, pw)
+            for pm, pb, j in self.more:
+                pw = pm[pb + k]
+                if pw != w and pw >> 32 == seq:
+                    self.differs(seq, code, j, pw)
+        m[b + AT_DONE] = v
+        return r
 
     def call_new(self, code, x, out, arg, async_op, stream):
         """``call`` for a signature other than the last one of this collective: a prepared
@@ -224,17 +247,19 @@ class Dispatcher(AgreementPaths):
         """Publish call ``seq`` (collective ``code``, its signature ``sig``, prepared call ``p``
         or None) before it runs: its ring word (returned) in the row's ring of calls and the
         host-shared copy, the group's history (and its checkpoint), the flight recorder's
-        entry. (``call`` does the same written out; dispatch.c's enter() too.)"""
+        entry. (``call`` has these steps written out; dispatch.c's enter() mirrors them.)"""
         m, b = self.mem, self.row
         w = seq << 32 | sig
-        m[self.cb + (seq & CALLS_MASK)] = w
-        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK
+        m[self.cb + (seq & CALLS_MASK)] = w   # the ring of calls (mpicomm._reliability.progress)
+        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK   # the group's history
         if not seq & CK_MASK:
             checkpoint(m, b, seq, h)
-        if self.shr is not None:
-            self.shr[self.shb + (seq & HOST_MASK)] = w
-        if self.fr is not None:
-            self.fr[seq & self.fmask] = (seq, code, p, _now())
+        sh = self.shr
+        if sh is not None:
+            sh[self.shb + (seq & HOST_MASK)] = w
+        fr = self.fr
+        if fr is not None:
+            fr[seq & self.fmask] = (seq, code, p, _now())
         return w
 
     def finish_call(self, seq, code, w, r, async_op, reports=True):
@@ -243,15 +268,15 @@ class Dispatcher(AgreementPaths):
         call's Work described and the call published as done first, then a member's report
         that arrived during the call (not with ``reports`` False: a watched call leaves it to
         the group's next call), then the host neighbours' calls of ``seq`` compared, then the
-        row's DONE word."""
-        m, b = self.mem, self.row
+        row's DONE word. (``call`` has these steps written out.)"""
+        m, b, sh, v = self.mem, self.row, self.shr, seq << 4 | code
         if async_op:   # (first: a Work whose call raises below is left, not waited for, once dropped;
             r._group, r._seq = self.group, seq   # and the call is over here, started: a member
             r._watch = self.watch                # that refuses it does not stand in for this rank)
-            m[b + AT_DONE] = seq << 4 | code
+            m[b + AT_DONE] = v
         if reports and m[b + AT_POISON]:     # a peer's report arrived during the call
             self.poisoned_after(seq, code)
-        if self.shr is not None:   # the host neighbours' calls of this sequence number
+        if sh is not None:   # the host neighbours' calls of this sequence number
             k = seq & HOST_MASK
             pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
             if pw != w and pw >> 32 == seq:
@@ -260,7 +285,7 @@ class Dispatcher(AgreementPaths):
                 pw = pm[pb + k]
                 if pw != w and pw >> 32 == seq:
                     self.differs(seq, code, j, pw)
-        m[b + AT_DONE] = seq << 4 | code
+        m[b + AT_DONE] = v
         return r
 
     def raise_in_call(self, seq, code, e):

@@ -12,13 +12,17 @@ compared with the first's. Where a case needs one rank to go before another, the
 waits for its acknowledgement (a word it published), never for a length of time. Under
 ``MPICOMM_NATIVE=0`` the compiled cases are skipped and the Python ones run as the only path.
 
-The compiled path's reuse decision (key_matches) is checked against the Python key
-(``call_key``) without MPI, as is its refusal of an incomplete layout.
+Without MPI: the compiled path's reuse decision (key_matches) against the Python key
+(``call_key``), its refusal of an incomplete layout, and the Python ``call``'s written-out
+key and steps against ``call_key``, ``publish`` and ``finish_call``.
 """
 from __future__ import annotations
 
+import ast
 import gc
+import inspect
 import itertools
+import textwrap
 import time
 import warnings
 
@@ -423,6 +427,50 @@ def test_compiled_key_matches_the_python_key():
             checked += py
     assert checked >= 3   # each key matched by its own call, at least
     assert km(key[:-1], x, None, ReduceOp.SUM, False, None) is False   # a key of another length
+
+
+def _statements(f):
+    """The AST of function ``f``'s body (its docstring left out)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(f))).body[0].body
+    return body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+
+
+class _AsWrittenOut(ast.NodeTransformer):
+    """What call's copy of a step leaves out or names otherwise: watched's ``reports and``
+    condition (finish_call), the prepared call's ``p.sig`` for the ``sig`` argument (publish)."""
+
+    def visit_BoolOp(self, node):
+        if isinstance(node.op, ast.And) and isinstance(node.values[0], ast.Name) and node.values[0].id == "reports":
+            rest = node.values[1:]
+            return self.visit(rest[0] if len(rest) == 1 else ast.BoolOp(ast.And(), rest))
+        return self.generic_visit(node)
+
+    def visit_Attribute(self, node):
+        if isinstance(node.value, ast.Name) and node.value.id == "p" and node.attr == "sig":
+            return ast.Name("sig", ast.Load())
+        return self.generic_visit(node)
+
+
+def _dump(nodes):
+    return [ast.dump(_AsWrittenOut().visit(n)) for n in nodes]
+
+
+def test_python_call_writes_out_call_key_publish_and_finish_call():
+    """Dispatcher.call (the Python path's hot path) has the cache key, the steps before the
+    call and those after it written out, to save a Python call each: they must be call_key's
+    expression, publish's statements and finish_call's statements (what finish_call and
+    publish leave in their first line: the row's words, read by call earlier), so that the
+    key and the order of the steps cannot drift between call, call_new and watched again."""
+    call = _statements(Dispatcher.py_call)
+    key = [n.value for n in ast.walk(ast.Module(call, [])) if isinstance(n, ast.Assign)
+           and [ast.unparse(t) for t in n.targets] == ["k"] and isinstance(n.value, ast.Tuple) and n.value.elts]
+    assert _dump(key) == _dump([_statements(call_key)[-1].value])
+    dumped = _dump(call)
+    pub = _dump(_statements(Dispatcher.publish)[1:-1])   # (between the first line and ``return w``)
+    assert len(pub) > 5 and any(dumped[i:i + len(pub)] == pub for i in range(len(dumped))), \
+        "Dispatcher.call does not have publish's statements written out"
+    fin = _dump(_statements(Dispatcher.finish_call)[1:])
+    assert len(fin) > 4 and dumped[-len(fin):] == fin, "Dispatcher.call does not end in finish_call's statements"
 
 
 def test_install_takes_the_layout_from_python():
