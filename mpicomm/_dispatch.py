@@ -25,18 +25,26 @@ mpicomm._dispatch_checks; they run only when a check fails or a report word is s
 Where the compiled call path is built (mpicomm/_native), ``call`` is its C twin
 (dispatch.c: the same steps on the same slots and words, handing new signatures, report
 words and errors to the same methods: call_new, poisoned, raise_in_call); this Python
-``call`` stays as ``py_call``.
+``call`` stays as ``py_call``. Both paths share one definition of each thing they must
+agree on: the words' layout (the C path gets NATIVE_LAYOUT at install), the cache key
+(``call_key``; dispatch.c's key_matches compares with it item by item), the steps before
+the call (``publish``) and those after it (``finish_call``; dispatch.c's enter() and leave()
+mirror them). The Python ``call`` has the key and both sets of steps written out, checked
+statement for statement against those definitions; tests/test_callpath_parity.py checks
+that and drives every branch through both paths.
 """
 from __future__ import annotations
 
 import time
 
-from ._backends.base import IN_PLACE, NEVER, NEW, Prepared, _dropped as _DROPPED, complete_dropped, role_of
+from ._backends.base import NEVER, Prepared, _dropped as _DROPPED, complete_dropped
 from ._callspec import plain_spec, spec_of
 from ._dispatch_checks import AgreementPaths
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
-from ._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_POISON, AT_RAISED, HMASK, HMUL, P2P, P2P_GH, P2P_TAG,
-                                   calls_base, checkpoint, ghash, p2p_word)
+from ._reliability.agreement import HOST_MASK, HOST_N
+from ._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, CALLS_N, CK_LEVELS,
+                                   CK_MASK, CK_N, CK_SHIFT, CK_STEP, HMASK, HMUL, P2P, P2P_GH, P2P_TAG, calls_base,
+                                   checkpoint, ghash, p2p_word)
 from ._arrays import is_gpu_array, is_torch
 from . import _native
 from .errors import CollectiveMismatchError, CommunicationError, invalid
@@ -62,21 +70,18 @@ def mpi_error(e, name, seq, group):
     return CommunicationError(f"{where} failed in MPI: {e}")
 
 
-def known_key(code, x, out, arg, async_op, stream):
-    """The key of a reusable prepared call in a dispatcher's ``known``, or None: calls with
-    per-rank sizes (prepared every time), an x without shape or dtype, an unhashable argument
-    (a shape type such as Paddle's)."""
-    if arg.__class__ is Sized:
-        return None
-    try:
-        key = (code, x.__class__, x.shape, x.dtype, arg, stream, async_op, role_of(x, out))
-        hash(key)
-    except (AttributeError, TypeError):
-        return None
-    return key
-
-
 KNOWN_CALLS = 256  # prepared calls kept per group (they hold no arrays: checks and a bound NCCL/MPI call)
+
+
+def call_key(x, out, arg, stream, async_op):
+    """The signature for which a prepared call is reused (its ``key``): the input's class,
+    shape and dtype, the op or root, the stream, async or not, and the output's role (a new
+    output; in place). AttributeError where ``x`` has no shape or dtype (prepared every time).
+
+    This is the key's one definition: ``Dispatcher.call`` has it written out, and dispatch.c's
+    key_matches compares a call with a key item by item in this order
+    (tests/test_callpath_parity.py checks both)."""
+    return (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)
 
 
 class Dispatcher(AgreementPaths):
@@ -120,16 +125,19 @@ class Dispatcher(AgreementPaths):
         self.fresh_at = 0              # the call at whose start the fresh communicator is being made
         self.xhost = None              # (group rank, world rank, row) on the next host, compared
         #                                by the watchdog (this rank is its host's first member)
-        self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % 256)
+        self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % CALLS_N)
 
     def call(self, code, x, out, arg, async_op, stream):
         """Run collective ``code`` on ``x``; ``arg`` is its op, root or (op, root).
 
         The common case written out: the group's last call of this collective had the same
-        signature, so its prepared call runs again. Anything else takes ``call_new``."""
+        signature, so its prepared call runs again. Anything else takes ``call_new``. The key,
+        the steps before the call and those after it are ``call_key``, ``publish`` and
+        ``finish_call`` written out (a Python call costs about 4% of this path's time each);
+        tests/test_callpath_parity.py checks that they are theirs, statement for statement."""
         p = self.last[code]
         try:
-            k = (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)
+            k = (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)   # call_key
         except AttributeError:   # no shape or dtype: prepared every time
             k = ()
         if k != p.key:
@@ -142,17 +150,18 @@ class Dispatcher(AgreementPaths):
         b = self.row
         if m[b + AT_POISON]:     # a peer's report, or this rank's own resync due
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
-            if self.last[code] is not p:   # a fresh communicator was made: p belongs to the old one
-                return self.run_new(seq, code, x, out, arg, async_op, stream)
+            if self.last[code] is not p:   # it made the group's fresh communicator: p is the old one's
+                return self.run_new(seq, code, None, x, out, arg, async_op, stream)
         m[b] = v
+        # publish, written out
         w = seq << 32 | p.sig
-        m[self.cb + (seq & 255)] = w   # the ring of calls (mpicomm._reliability.progress)
+        m[self.cb + (seq & CALLS_MASK)] = w   # the ring of calls (mpicomm._reliability.progress)
         h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK   # the group's history
-        if not seq & 255:
+        if not seq & CK_MASK:
             checkpoint(m, b, seq, h)
         sh = self.shr
         if sh is not None:
-            sh[self.shb + (seq & 7)] = w
+            sh[self.shb + (seq & HOST_MASK)] = w
         fr = self.fr
         if fr is not None:
             fr[seq & self.fmask] = (seq, code, p, _now())
@@ -160,32 +169,40 @@ class Dispatcher(AgreementPaths):
             r = p.run(x, out)
         except BaseException as e:  # the call is over on this rank: published as raised
             self.raise_in_call(seq, code, e)
-        if m[b + AT_POISON]:     # a peer's report arrived during the call
-            self.poisoned_after(seq, code)
-        if sh is not None:   # the host neighbours' calls of this sequence number
-            k = seq & 7
-            pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
-            if pw != w and pw >> 32 == seq:
-                self.differs(seq, code, self.p1j, pw)
-            more = self.more
-            if more:
-                for pm, pb, j in more:
-                    pw = pm[pb + k]
-                    if pw != w and pw >> 32 == seq:
-                        self.differs(seq, code, j, pw)
-        m[b + AT_DONE] = v
+        # finish_call, written out
         if async_op:
             r._group, r._seq = self.group, seq
             r._watch = self.watch
+            m[b + AT_DONE] = v
+        if m[b + AT_POISON]:
+            self.poisoned_after(seq, code)
+        if sh is not None:
+            k = seq & HOST_MASK
+            pw = self.p1[self.p1b + k]
+            if pw != w and pw >> 32 == seq:
+                self.differs(seq, code, self.p1j, pw)
+            for pm, pb, j in self.more:
+                pw = pm[pb + k]
+                if pw != w and pw >> 32 == seq:
+                    self.differs(seq, code, j, pw)
+        m[b + AT_DONE] = v
         return r
 
     def call_new(self, code, x, out, arg, async_op, stream):
         """``call`` for a signature other than the last one of this collective: a prepared
         call kept from earlier (least recently used out first), else a new one from the
         transport, which validates the call; then run as ``call`` runs it."""
-        key = known_key(code, x, out, arg, async_op, stream)
-        if key is not None:
-            p = self.known.pop(key, None)
+        key = None
+        if arg.__class__ is not Sized:   # (sized calls are prepared every time)
+            try:
+                key = (code, call_key(x, out, arg, stream, async_op))
+                if not self.known:
+                    hash(key)
+                p = self.known.pop(key, None)
+            except (AttributeError, TypeError):   # no shape, or an unhashable argument (a shape
+                #                                   type such as Paddle's; pop() on an empty dict
+                #                                   does not hash, hence hash() there)
+                key = p = None
             if p is not None:
                 self.known[key] = p   # back in, as the most recently used
                 self.last[code] = p
@@ -195,19 +212,18 @@ class Dispatcher(AgreementPaths):
         seq = self.seq = self.seq + 1
         if self.mem[self.row + AT_POISON]:
             self.poisoned(seq, code, (x, out, arg, async_op, stream))
-        return self.run_new(seq, code, x, out, arg, async_op, stream)
+        return self.run_new(seq, code, key, x, out, arg, async_op, stream)
 
-    def run_new(self, seq, code, x, out, arg, async_op, stream):
-        """Call ``seq`` (numbered, a member's report handled) with a new prepared call: the
-        rest of ``call_new``, and where ``call``'s prepared call belonged to a communicator
-        replaced before it ran (a fresh one made at this call, after a disagreement)."""
-        v = seq << 4 | code
-        m = self.mem
-        b = self.row
-        m[b] = v
+    def run_new(self, seq, code, key, x, out, arg, async_op, stream):
+        """Call ``seq`` (numbered, a member's report before it taken in) prepared by the
+        transport and run; kept for reuse under ``key`` (None: not kept). ``call`` hands its
+        call here where taking in the report made the group's fresh communicator (the prepared
+        call it had is the old communicator's; dispatch.c does the same)."""
+        m, b = self.mem, self.row
+        m[b] = seq << 4 | code
         try:
             # the entry stays the call in progress (the watchdog describes it); only
-            # a reusable one (key not None) is ever matched again
+            # a reusable one is ever matched again
             p = self.last[code] = self.transport.prepare(code, x, out, arg, async_op, stream) \
                 if arg.__class__ is not Sized else self.plain().prepare_sized(code, x, out, arg, async_op, stream)
             sp = p.spec = spec_of(code, x, out, arg, self.group.size, self.group.rank)
@@ -215,46 +231,61 @@ class Dispatcher(AgreementPaths):
                 sp.started_async()
             p.sig = sp.sig
             if p.cls is not None:
-                p.key = (p.cls, p.shape, p.dtype, p.arg, p.stream, p.async_op, p.role is NEW, p.role is IN_PLACE)
-                key = known_key(code, x, out, arg, async_op, stream)
+                p.key = call_key(x, out, arg, stream, async_op)
                 if key is not None:
                     known = self.known
                     if len(known) >= KNOWN_CALLS:
                         del known[next(iter(known))]   # the least recently used
                     known[key] = p
-            w = seq << 32 | p.sig
-            m[self.cb + (seq & 255)] = w
-            h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK
-            if not seq & 255:
-                checkpoint(m, b, seq, h)
-            sh = self.shr
-            if sh is not None:
-                sh[self.shb + (seq & 7)] = w
-            fr = self.fr
-            if fr is not None:
-                fr[seq & self.fmask] = (seq, code, p, _now())
+            w = self.publish(seq, code, p.sig, p)
             r = p.run(x, out)
         except BaseException as e:
             self.raise_in_call(seq, code, e)
         return self.finish_call(seq, code, w, r, async_op)
 
-    def finish_call(self, seq, code, w, r, async_op):
-        """After call ``seq`` (its ring word ``w``) returned ``r`` here: a member's report, the
-        host neighbours' calls of ``seq`` compared, the row's DONE word (``call`` does the same
-        written out)."""
+    def publish(self, seq, code, sig, p):
+        """Publish call ``seq`` (collective ``code``, its signature ``sig``, prepared call ``p``
+        or None) before it runs: its ring word (returned) in the row's ring of calls and the
+        host-shared copy, the group's history (and its checkpoint), the flight recorder's
+        entry. (``call`` has these steps written out; dispatch.c's enter() mirrors them.)"""
         m, b = self.mem, self.row
+        w = seq << 32 | sig
+        m[self.cb + (seq & CALLS_MASK)] = w   # the ring of calls (mpicomm._reliability.progress)
+        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK   # the group's history
+        if not seq & CK_MASK:
+            checkpoint(m, b, seq, h)
+        sh = self.shr
+        if sh is not None:
+            sh[self.shb + (seq & HOST_MASK)] = w
+        fr = self.fr
+        if fr is not None:
+            fr[seq & self.fmask] = (seq, code, p, _now())
+        return w
+
+    def finish_call(self, seq, code, w, r, async_op, reports=True):
+        """After call ``seq`` (its ring word ``w``) returned ``r`` here, for every call path
+        (``call``, ``call_new``, ``watched``; dispatch.c's leave() in the same order): an async
+        call's Work described and the call published as done first, then a member's report
+        that arrived during the call (not with ``reports`` False: a watched call leaves it to
+        the group's next call), then the host neighbours' calls of ``seq`` compared, then the
+        row's DONE word. (``call`` has these steps written out.)"""
+        m, b, sh, v = self.mem, self.row, self.shr, seq << 4 | code
         if async_op:   # (first: a Work whose call raises below is left, not waited for, once dropped;
             r._group, r._seq = self.group, seq   # and the call is over here, started: a member
             r._watch = self.watch                # that refuses it does not stand in for this rank)
-            m[b + AT_DONE] = seq << 4 | code
-        if m[b + AT_POISON]:
+            m[b + AT_DONE] = v
+        if reports and m[b + AT_POISON]:     # a peer's report arrived during the call
             self.poisoned_after(seq, code)
-        if self.shr is not None:
-            for pm, pb, j in self.peers:
-                pw = pm[pb + (seq & 7)]
+        if sh is not None:   # the host neighbours' calls of this sequence number
+            k = seq & HOST_MASK
+            pw = self.p1[self.p1b + k]   # (the first one unrolled: 2 ranks a host is common)
+            if pw != w and pw >> 32 == seq:
+                self.differs(seq, code, self.p1j, pw)
+            for pm, pb, j in self.more:
+                pw = pm[pb + k]
                 if pw != w and pw >> 32 == seq:
                     self.differs(seq, code, j, pw)
-        m[b + AT_DONE] = seq << 4 | code
+        m[b + AT_DONE] = v
         return r
 
     def raise_in_call(self, seq, code, e):
@@ -271,8 +302,8 @@ class Dispatcher(AgreementPaths):
             # nonblocking schedule says MPI_ERR_OTHER on some ranks where others say truncated,
             # and every member must take the same way out, the fresh communicator included)
             if self.check and self.group.size > 1 and seq > self.raised:
-                w = m[self.cb + (seq & 255)]
-                k = seq & 7
+                w = m[self.cb + (seq & CALLS_MASK)]
+                k = seq & HOST_MASK
                 other = next((j for pm, pb, j in self.peers
                               if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
                 self.disagree(seq, code, other, err if other is None else None)
@@ -292,8 +323,9 @@ class Dispatcher(AgreementPaths):
         code = next((c for c, n in NAMES.items() if n == name), 0)
         err = mpi_error(e, name, seq, self.group.name)
         if seq > self.raised and self.check and self.group.size > 1:   # (any class: as raise_in_call)
-            w = self.mem[self.cb + (seq & 255)]
-            other = next((j for pm, pb, j in self.peers if pm[pb + (seq & 7)] != w and pm[pb + (seq & 7)] >> 32 == seq),
+            w = self.mem[self.cb + (seq & CALLS_MASK)]
+            k = seq & HOST_MASK
+            other = next((j for pm, pb, j in self.peers if pm[pb + k] != w and pm[pb + k] >> 32 == seq),
                          None) if self.shr is not None else None
             try:
                 self.disagree(seq, code, other, err if other is None else None)   # raises
@@ -317,15 +349,12 @@ class Dispatcher(AgreementPaths):
         return p.describe() if p is not NEVER else "no array"
 
     def barrier(self, async_op):
-        r = self.watched(BARRIER, lambda: self.transport.barrier(async_op))
-        if async_op:
-            r._group, r._seq = self.group, self.seq
-            r._watch = self.watch
-        return r
+        return self.watched(BARRIER, lambda: self.transport.barrier(async_op), async_op)
 
-    def watched(self, code, fn):
+    def watched(self, code, fn, async_op=False):
         """Run ``fn()``, a call that every rank of the group makes without arrays (a barrier,
-        creating or destroying a group), published and recorded like a collective."""
+        creating or destroying a group), published and recorded like a collective; with
+        ``async_op``, ``fn`` returns the call's Work."""
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -334,15 +363,7 @@ class Dispatcher(AgreementPaths):
         if m[b + AT_POISON]:
             self.poisoned(seq, code)
         m[b] = v
-        w = seq << 32 | plain_spec(code).sig
-        m[self.cb + (seq & 255)] = w
-        h = m[b + AT_HIST] = (m[b + AT_HIST] * HMUL ^ w) & HMASK
-        if not seq & 255:
-            checkpoint(m, b, seq, h)
-        if self.shr is not None:
-            self.shr[self.shb + (seq & 7)] = w
-        if self.fr is not None:
-            self.fr[seq & self.fmask] = (seq, code, None, _now())
+        w = self.publish(seq, code, plain_spec(code).sig, None)
         try:
             r = fn()
         except BaseException as e:
@@ -351,12 +372,7 @@ class Dispatcher(AgreementPaths):
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error (a truncated message: the
                 self.raise_in_call(seq, code, e)      # calls differ), as for an array collective
             raise
-        for pm, pb, j in self.peers:
-            pw = pm[pb + (seq & 7)]
-            if pw != w and pw >> 32 == seq:
-                self.differs(seq, code, j, pw)
-        m[b + AT_DONE] = v
-        return r
+        return self.finish_call(seq, code, w, r, async_op, False)
 
     def point_to_point(self, code, x, peer, tag, async_op, stream, recv=None):
         """send / recv: not numbered (only the two ranks take part), never reused.
@@ -444,12 +460,17 @@ class Dispatcher(AgreementPaths):
         return works
 
 
+# The words' layout the compiled call path writes, from the modules that define it
+# (dispatch.c holds no copy of these numbers: install() refuses a missing one)
+NATIVE_LAYOUT = {"AT_DONE": AT_DONE, "AT_POISON": AT_POISON, "AT_HIST": AT_HIST, "AT_CKPT": AT_CKPT,
+                 "CALLS_N": CALLS_N, "HOST_N": HOST_N, "HMUL": HMUL, "HMASK": HMASK, "CK_LEVELS": CK_LEVELS,
+                 "CK_N": CK_N, "CK_SHIFT": CK_SHIFT, "CK_STEP": CK_STEP}
+
 Dispatcher.py_call = Dispatcher.call   # the Python call path, under a name that stays
 if _native.callpath is not None:
     # the compiled call path (mpicomm/_native): ``call``'s common case in C, handing anything
     # else to the Python above
-    Dispatcher.call = _native.callpath.install(Dispatcher, Prepared, _DROPPED, complete_dropped, AT_DONE, AT_POISON,
-                                               AT_HIST, AT_CKPT)
+    Dispatcher.call = _native.callpath.install(Dispatcher, Prepared, _DROPPED, complete_dropped, NATIVE_LAYOUT)
 
 
 def _gpu_event(d, word, x, stream):

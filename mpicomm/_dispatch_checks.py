@@ -15,7 +15,8 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
-from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, ENTERED, EPOCH, REPORTED
+from ._reliability.agreement import HOST_MASK
+from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED
 from .errors import CollectiveMismatchError
 
 SPEC_WAIT = 2.0   # s a rank that reports waits for the spec of the member whose call differs
@@ -47,10 +48,10 @@ class AgreementPaths:
                 self.poisoned_after(seq, code)
         if self.shr is None:
             return
-        w = self.mem[self.cb + (seq & 255)]
+        w = self.mem[self.cb + (seq & CALLS_MASK)]
         if w >> 32 != seq:
             return
-        k = seq & 7
+        k = seq & HOST_MASK
         for pm, pb, j in self.peers:
             pw = pm[pb + k]
             if pw != w and pw >> 32 == seq:
@@ -74,7 +75,7 @@ class AgreementPaths:
                 return getattr(e[2], "spec", None) if e[2] is not None else plain_spec(e[1])
         m, b = self.mem, self.row
         e = m[b]
-        w = m[self.cb + (seq & 255)]
+        w = m[self.cb + (seq & CALLS_MASK)]
         if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
             ps = plain_spec(e & 15)
             if ps.sig == w & 0xFFFFFFFF:       # a barrier, creating or destroying a group
@@ -94,7 +95,7 @@ class AgreementPaths:
         comparison across hosts, which describes calls found a second or more later): a
         prepared call of the same signature's (the watchdog's thread: the copies are taken at
         once)."""
-        w = self.mem[self.cb + (seq & 255)] if word is None else int(word)
+        w = self.mem[self.cb + (seq & CALLS_MASK)] if word is None else int(word)
         if w >> 32 != seq:
             return None
         sig = w & 0xFFFFFFFF
@@ -217,9 +218,9 @@ class AgreementPaths:
                 if e is not None else reason)
         self.rel.progress.set_reason(text)
         w = seq << 32 | _R
-        m[self.cb + (seq & 255)] = w
+        m[self.cb + (seq & CALLS_MASK)] = w
         if self.shr is not None:
-            self.shr[self.shb + (seq & 7)] = w
+            self.shr[self.shb + (seq & HOST_MASK)] = w
         if e is not None:
             self._tell(seq, text)
         members = self._members()

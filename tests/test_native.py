@@ -6,6 +6,8 @@ tests run the same calls through both ``Dispatcher.call`` (compiled) and
 ``Dispatcher.py_call`` (the Python it mirrors) and compare what each leaves behind: the
 result (against NumPy), the sequence number, the progress words the watchdog reads, the
 flight recorder's entry, the Work's description, and the refusal of a bad argument.
+tests/test_callpath_parity.py does the same for the branches a disagreement, a refusal or a
+member's report takes, and checks the compiled cache key against the Python one.
 scripts/test.sh also runs the MPI tests once with ``MPICOMM_NATIVE=0``.
 """
 from __future__ import annotations

@@ -18,9 +18,12 @@
 
 static PyMethodDef module_methods[] = {
     {"install", install, METH_VARARGS,
-     "install(Dispatcher, Prepared, dropped, complete_dropped, AT_DONE, AT_POISON, AT_HIST, AT_CKPT) -> the compiled "
-     "call method "
-     "(a method descriptor of Dispatcher)"},
+     "install(Dispatcher, Prepared, dropped, complete_dropped, layout) -> the compiled call method (a method "
+     "descriptor of Dispatcher); layout: {name: int} of the progress words' layout "
+     "(mpicomm._dispatch.NATIVE_LAYOUT)"},
+    {"key_matches", (PyCFunction)(void (*)(void))key_matches_py, METH_FASTCALL,
+     "key_matches(key, x, out, arg, async_op, stream) -> whether the compiled call reuses the prepared call of "
+     "``key`` (mpicomm._dispatch.call_key) for these arguments"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_callpath",

@@ -33,15 +33,6 @@ static inline int as_ll(PyObject *o, long long *r)
     return overflow ? -1 : 0;
 }
 
-/* the group's history of calls: mpicomm/_reliability/progress.py's HMUL, HMASK, CK_LEVELS, CK_N,
- * CK_SHIFT and CK_STEP (tests/test_native.py checks that both paths leave the same words) */
-#define HIST_MUL 16777619ULL
-#define HIST_MASK 0xFFFFFFFFULL
-#define CK_LEVELS 3
-#define CK_N 4
-#define CK_SHIFT 8
-#define CK_STEP 4
-
 static inline void store(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static inline int64_t load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
@@ -64,5 +55,6 @@ int dispatch_init(PyObject *m);
 int nccl_run_init(PyObject *m);
 int public_init(PyObject *m);
 PyObject *install(PyObject *mod, PyObject *args);
+PyObject *key_matches_py(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -17,25 +17,30 @@ static Py_ssize_t off_key, off_sig, off_run; /* its slots */
 #define PSLOT(p, o) (*(PyObject **)((char *)(p) + (o)))
 static PyObject *dropped = NULL;            /* mpicomm._backends.base._dropped (a list) */
 static PyObject *complete_dropped = NULL;   /* mpicomm._backends.base.complete_dropped */
+/* The words' layout, given by install() from the Python modules that define it
+ * (mpicomm._dispatch.NATIVE_LAYOUT: mpicomm/_reliability/progress.py and agreement.py) */
 static Py_ssize_t at_done = 0, at_poison = 0, at_hist = 0, at_ckpt = 0, ck_end = 0;
+static long long calls_n = 0, calls_mask = 0;   /* the row's ring of calls (CALLS_N) */
+static long long host_n = 0, host_mask = 0;     /* the host-shared copy of it (HOST_N) */
+static uint64_t hist_mul = 0, hist_mask = 0;    /* the history's hash step (HMUL, HMASK) */
+static int ck_levels = 0, ck_n = 0, ck_shift = 0, ck_step = 0;   /* its checkpoints (CK_*) */
 static int configured = 0;
 
-static PyObject *s_shape, *s_dtype, *s_call_new, *s_py_call, *s_poisoned, *s_poisoned_after, *s_differs,
-    *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__, *s_run_new;
+static PyObject *s_shape, *s_dtype, *s_call_new, *s_run_new, *s_py_call, *s_poisoned, *s_poisoned_after,
+    *s_differs, *s_raise_in_call, *s__group, *s__seq, *s__watch, *s___class__;
 
 int dispatch_init(PyObject *m)
 {
-    INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_call_new, "call_new");
+    INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_call_new, "call_new"); INTERN(s_run_new, "run_new");
     INTERN(s_py_call, "py_call"); INTERN(s_poisoned, "poisoned"); INTERN(s_poisoned_after, "poisoned_after");
     INTERN(s_differs, "differs"); INTERN(s_raise_in_call, "raise_in_call"); INTERN(s__group, "_group");
     INTERN(s__seq, "_seq"); INTERN(s__watch, "_watch"); INTERN(s___class__, "__class__");
-    INTERN(s_run_new, "run_new");
     return 0;
 }
 
 static PyObject *method(PyObject *self, PyObject *name, PyObject *const *args, size_t n)
 {
-    PyObject *a[8];
+    PyObject *a[9];   /* (n <= 8) */
     a[0] = self;
     for (size_t i = 0; i < n; i++)
         a[i + 1] = args[i];
@@ -57,14 +62,18 @@ static PyObject *method_seq(PyObject *self, PyObject *name, long long seq, PyObj
 
 /* ------------------------------------------------------------------ Dispatcher.call */
 
-/* 1: the key matches, 0: it does not (or x has no shape/dtype), -1: an error */
+/* A call's signature compared with a prepared call's key, without building the key: this
+ * mirrors mpicomm._dispatch.call_key, the key's one definition (its KEY_LEN items, in its
+ * order: x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x), compared
+ * as Python compares two tuples, item by item, so that both paths agree on every call.
+ * tests/test_callpath_parity.py checks, through key_matches_py, that both decide alike.
+ * 1: the key matches, 0: it does not (or x has no shape/dtype), -1: an error */
+#define KEY_LEN 8
 static int key_matches(PyObject *k, PyObject *x, PyObject *out, PyObject *arg, PyObject *async_op,
                        PyObject *stream)
 {
-    if (k == NULL || !PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 8)
+    if (k == NULL || !PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != KEY_LEN)
         return 0;
-    /* compared as the Python path's tuple compares (x.__class__, x.shape, ...) with the key,
-     * item by item, so that both paths agree on every call */
     if (PyTuple_GET_ITEM(k, 0) != (PyObject *)Py_TYPE(x)) {
         PyObject *cls = PyObject_GetAttr(x, s___class__);
         if (cls == NULL)
@@ -107,6 +116,20 @@ attr:
     return -1;
 }
 
+/* key_matches(key, x, out, arg, async_op, stream) -> bool: the compiled path's decision
+ * whether a call of these arguments reuses the prepared call of ``key`` (for the tests) */
+PyObject *key_matches_py(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "key_matches() takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int r = key_matches(args[0], args[1], args[2], args[3], args[4], args[5]);
+    if (r < 0)
+        return NULL;
+    return PyBool_FromLong(r);
+}
+
 /* the call raised: raise_in_call(seq, code, e) publishes it and raises (with e handled, as
  * in the Python path's except clause) */
 static PyObject *raised(PyObject *self, long long seq, PyObject *code)
@@ -143,9 +166,9 @@ static PyObject *py_call(PyObject *self, PyObject *const *args)
 
 /* The call's words before it runs: its number (the seq slot, returned as *seqo, borrowed), a
  * report word looked at, ENTERED, the ring of calls, the host's ring, the flight recorder's
- * entry. 0, 1 when the report's handling replaced the communicator (nothing more published:
- * the call goes on in run_new), or -1 with an error (after the number was taken, as in the
- * Python path). */
+ * entry (Dispatcher.call; its publish()). 0, or -1 with an error (after the number was taken,
+ * as in the Python path), or 1 where taking in the report made the group's fresh communicator:
+ * ``p`` is the old one's, and the call goes to run_new (numbered, nothing else published). */
 typedef struct {
     int64_t *m;
     long long b, cb, seq;
@@ -157,13 +180,13 @@ typedef struct {
  * ring words, and at the calls that are multiples of 1 << CK_SHIFT its checkpoints */
 static void history(int64_t *row, long long seq, int64_t w)
 {
-    int64_t h = (int64_t)(((uint64_t)load(row + at_hist) * HIST_MUL ^ (uint64_t)w) & HIST_MASK);
+    int64_t h = (int64_t)(((uint64_t)load(row + at_hist) * hist_mul ^ (uint64_t)w) & hist_mask);
     store(row + at_hist, h);
-    for (int lv = 0; lv < CK_LEVELS; lv++) {
-        int s = CK_SHIFT + CK_STEP * lv;
+    for (int lv = 0; lv < ck_levels; lv++) {
+        int s = ck_shift + ck_step * lv;
         if (seq & ((1LL << s) - 1))
             return;
-        int64_t *e = row + at_ckpt + 2 * (lv * CK_N + ((seq >> s) & (CK_N - 1)));
+        int64_t *e = row + at_ckpt + 2 * (lv * ck_n + ((seq >> s) & (ck_n - 1)));
         store(e, 0);
         store(e + 1, h);
         store(e, (int64_t)seq);
@@ -189,31 +212,31 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
             return -1;
         Py_DECREF(t);
         PyObject *last = SLOT(self, S_LAST);
-        long ci = PyLong_AsLong(code);
-        if (last == NULL || !PyList_CheckExact(last) || ci < 0 || ci >= PyList_GET_SIZE(last)
-            || PyList_GET_ITEM(last, ci) != p)
-            return 1;   /* a fresh communicator was made: p belongs to the old one (run_new) */
+        Py_ssize_t k = PyLong_AsSsize_t(code);
+        if (last == NULL || !PyList_CheckExact(last) || k < 0 || k >= PyList_GET_SIZE(last)
+            || PyList_GET_ITEM(last, k) != p)
+            return 1;
         if (!(c->m = words(SLOT(self, S_MEM), &nm)) || c->b + at_poison >= nm || c->b + ck_end >= nm
-            || c->cb + 256 > nm) {
+            || c->cb + calls_n > nm) {
             PyErr_SetString(PyExc_ValueError, "mpicomm: the group's progress words are gone");
             return -1;
         }
     }
     store(c->m + c->b, c->v);
     c->w = (int64_t)(c->seq << 32 | sig);
-    store(c->m + c->cb + (c->seq & 255), c->w);   /* the ring of calls (mpicomm._reliability.progress) */
+    store(c->m + c->cb + (c->seq & calls_mask), c->w);   /* the ring of calls (mpicomm._reliability.progress) */
     history(c->m + c->b, c->seq, c->w);
     long long shb = 0, fmask;
     Py_ssize_t nsh = 0;
     PyObject *sho = SLOT(self, S_SHR);
     c->sh = NULL;
     if (sho != NULL && sho != Py_None) {
-        if (!(c->sh = words(sho, &nsh)) || as_ll(SLOT(self, S_SHB), &shb) || shb < 0 || shb + 8 > nsh) {
+        if (!(c->sh = words(sho, &nsh)) || as_ll(SLOT(self, S_SHB), &shb) || shb < 0 || shb + host_n > nsh) {
             PyErr_SetString(PyExc_ValueError, "mpicomm: the host's ring of calls is not an int64 memoryview");
             return -1;
         }
         c->sh += shb;
-        store(c->sh + (c->seq & 7), c->w);
+        store(c->sh + (c->seq & host_mask), c->w);
     }
     PyObject *fr = SLOT(self, S_FR);
     if (fr == NULL || fr == Py_None)
@@ -241,8 +264,9 @@ static int enter(PyObject *self, Call *c, PyObject *p, PyObject *const *args, lo
     return PyList_SetItem(fr, c->seq & fmask, e);   /* (steals e) */
 }
 
-/* After the call: a report that arrived during it, the host neighbours' words for this
- * number compared, DONE. 0, or -1 with an error. */
+/* After the call (mpicomm._dispatch.Dispatcher.finish_call, step for step; an async call's
+ * Work is described and DONE stored before it, in disp_call): a report that arrived during
+ * it, the host neighbours' words for this number compared, DONE. 0, or -1 with an error. */
 static int leave(PyObject *self, Call *c, PyObject *code)
 {
     PyObject *t;
@@ -252,7 +276,7 @@ static int leave(PyObject *self, Call *c, PyObject *code)
         Py_DECREF(t);
     }
     if (c->sh != NULL) {   /* the host neighbours' calls of this sequence number */
-        long long kk = c->seq & 7;
+        long long kk = c->seq & host_mask;
         PyObject *more = SLOT(self, S_MORE);
         PyObject *trip[3] = {SLOT(self, S_P1), SLOT(self, S_P1B), SLOT(self, S_P1J)};
         Py_ssize_t nmore = (more != NULL && PyTuple_CheckExact(more)) ? PyTuple_GET_SIZE(more) : 0;
@@ -267,7 +291,7 @@ static int leave(PyObject *self, Call *c, PyObject *code)
             Py_ssize_t np;
             long long pb;
             int64_t *pm = words(trip[0], &np);
-            if (pm == NULL || as_ll(trip[1], &pb) || pb < 0 || pb + 8 > np || trip[2] == NULL) {
+            if (pm == NULL || as_ll(trip[1], &pb) || pb < 0 || pb + host_n > np || trip[2] == NULL) {
                 PyErr_SetString(PyExc_ValueError, "mpicomm: a host neighbour's ring of calls is not an int64 memoryview");
                 return -1;
             }
@@ -312,7 +336,7 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         || c.m == NULL || as_ll(SLOT(self, S_ROW), &c.b) || as_ll(SLOT(self, S_CB), &c.cb)
         || as_ll(SLOT(self, S_SEQ), &c.seq) || c.b < 0 || c.b + at_done >= nm || c.b + at_poison >= nm
         || c.b + ck_end >= nm || c.cb < 0
-        || c.cb + 256 > nm)
+        || c.cb + calls_n > nm)
         return py_call(self, args);
     PyObject *p = PyList_GET_ITEM(last, code);
     if (Py_TYPE(p) != prep_type)   /* the empty entry (NEVER): a new call */
@@ -336,11 +360,12 @@ static PyObject *disp_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
             goto done;
         Py_DECREF(t);
     }
-    int entered = enter(self, &c, p, args, sig, &seqo);
-    if (entered < 0)
+    int e = enter(self, &c, p, args, sig, &seqo);
+    if (e < 0)
         goto done;
-    if (entered == 1) {   /* the rest with a new prepared call, as the Python path */
-        r = PyObject_CallMethodObjArgs(self, s_run_new, seqo, args[0], args[1], args[2], args[3], args[4], args[5], NULL);
+    if (e > 0) {   /* run_new(seq, code, None, x, out, arg, async_op, stream) */
+        PyObject *a[8] = {seqo, args[0], Py_None, args[1], args[2], args[3], args[4], args[5]};
+        r = method(self, s_run_new, a, 8);
         goto done;
     }
     r = PyObject_Vectorcall(run, args + 1, 2, NULL);   /* run(x, out) */
@@ -381,15 +406,44 @@ static Py_ssize_t slot_offset(PyObject *cls, const char *name)
     return o;
 }
 
-/* install(Dispatcher, Prepared, dropped, complete_dropped, at_done, at_poison, at_hist, at_ckpt) -> the
- * method descriptor */
+/* layout[name] as a C integer in [lo, hi] (a power of two where pow2), or -1 with an error */
+static long long layout_int(PyObject *layout, const char *name, long long lo, long long hi, int pow2)
+{
+    PyObject *v = PyDict_GetItemString(layout, name);   /* (borrowed) */
+    long long r;
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "install(): the layout has no %s", name);
+        return -1;
+    }
+    if (as_ll(v, &r) || r < lo || r > hi || (pow2 && (r & (r - 1)))) {
+        PyErr_Format(PyExc_ValueError, "install(): %s=%R is not %s in [%lld, %lld]", name, v,
+                     pow2 ? "a power of two" : "an integer", lo, hi);
+        return -1;
+    }
+    return r;
+}
+
+/* install(Dispatcher, Prepared, dropped, complete_dropped, layout) -> the method descriptor.
+ * layout: {name: int} of the words' layout (mpicomm._dispatch.NATIVE_LAYOUT) */
 PyObject *install(PyObject *mod, PyObject *args)
 {
-    PyObject *cls, *pcls, *dl, *cd;
-    Py_ssize_t ad, ap, ah, ac;
-    if (!PyArg_ParseTuple(args, "O!O!O!Onnnn", &PyType_Type, &cls, &PyType_Type, &pcls, &PyList_Type, &dl, &cd,
-                          &ad, &ap, &ah, &ac))
+    PyObject *cls, *pcls, *dl, *cd, *lay;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!", &PyType_Type, &cls, &PyType_Type, &pcls, &PyList_Type, &dl, &cd,
+                          &PyDict_Type, &lay))
         return NULL;
+    long long ad, ap, ah, ac, cn, hn, hmul, hmask, ckl, ckn, cks, ckt;
+    if ((ad = layout_int(lay, "AT_DONE", 1, 1 << 16, 0)) < 0 || (ap = layout_int(lay, "AT_POISON", 1, 1 << 16, 0)) < 0
+        || (ah = layout_int(lay, "AT_HIST", 1, 1 << 16, 0)) < 0 || (ac = layout_int(lay, "AT_CKPT", 1, 1 << 16, 0)) < 0
+        || (cn = layout_int(lay, "CALLS_N", 1, 1 << 20, 1)) < 0 || (hn = layout_int(lay, "HOST_N", 1, 1 << 20, 1)) < 0
+        || (hmul = layout_int(lay, "HMUL", 1, 0xFFFFFFFFLL, 0)) < 0
+        || (hmask = layout_int(lay, "HMASK", 1, 0xFFFFFFFFLL, 0)) < 0
+        || (ckl = layout_int(lay, "CK_LEVELS", 0, 8, 0)) < 0 || (ckn = layout_int(lay, "CK_N", 1, 1 << 10, 1)) < 0
+        || (cks = layout_int(lay, "CK_SHIFT", 1, 30, 0)) < 0 || (ckt = layout_int(lay, "CK_STEP", 0, 30, 0)) < 0)
+        return NULL;
+    if (cks + ckt * (ckl > 0 ? ckl - 1 : 0) > 62) {
+        PyErr_SetString(PyExc_ValueError, "install(): CK_SHIFT + CK_STEP * (CK_LEVELS - 1) is over 62");
+        return NULL;
+    }
     if ((off_key = slot_offset(pcls, "key")) < 0 || (off_sig = slot_offset(pcls, "sig")) < 0
         || (off_run = slot_offset(pcls, "run")) < 0)
         return NULL;
@@ -400,12 +454,21 @@ PyObject *install(PyObject *mod, PyObject *args)
     Py_XSETREF(prep_type, (PyTypeObject *)Py_NewRef(pcls));
     Py_XSETREF(dropped, Py_NewRef(dl));
     Py_XSETREF(complete_dropped, Py_NewRef(cd));
-    at_done = ad;
-    at_poison = ap;
-    at_hist = ah;
-    at_ckpt = ac;
-    ck_end = ac + 2 * CK_LEVELS * CK_N - 1;
+    at_done = (Py_ssize_t)ad;
+    at_poison = (Py_ssize_t)ap;
+    at_hist = (Py_ssize_t)ah;
+    at_ckpt = (Py_ssize_t)ac;
+    calls_n = cn;
+    calls_mask = cn - 1;
+    host_n = hn;
+    host_mask = hn - 1;
+    hist_mul = (uint64_t)hmul;
+    hist_mask = (uint64_t)hmask;
+    ck_levels = (int)ckl;
+    ck_n = (int)ckn;
+    ck_shift = (int)cks;
+    ck_step = (int)ckt;
+    ck_end = at_ckpt + 2 * ck_levels * ck_n - 1;
     configured = 1;
     return PyDescr_NewMethod((PyTypeObject *)cls, &call_def);
 }
-

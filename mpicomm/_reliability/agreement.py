@@ -43,6 +43,7 @@ from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, RE
                        F, HDR, calls_base, checkpoints)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
+HOST_MASK = HOST_N - 1   # seq & HOST_MASK: call seq's place there (HOST_N is a power of two)
 RING = F              # where a row read by read_row holds its ring of calls
 RING_N = CALLS_N
 

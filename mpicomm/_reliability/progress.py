@@ -59,11 +59,12 @@ REPORTED = SPEC + SPEC_N   # the last call this rank raised a disagreement or re
 # last raised a disagreement or refusal: there it starts again from 0, at the same call on
 # every rank); CKPT holds checkpoints of it, CK_LEVELS levels of CK_N (call, hash) pairs, level
 # L at the calls that are multiples of 1 << (CK_SHIFT + CK_STEP * L). One multiply-add and
-# one store per call; a checkpoint's stores once in 256 calls.
+# one store per call; a checkpoint's stores once in 1 << CK_SHIFT calls.
 HIST = REPORTED + 1
 EPOCH = HIST + 1
 CKPT = EPOCH + 1
 CK_LEVELS, CK_N, CK_SHIFT, CK_STEP = 3, 4, 8, 4
+CK_MASK = (1 << CK_SHIFT) - 1   # a call with seq & CK_MASK == 0 records a checkpoint (checkpoint())
 HMUL = 16777619             # h = (h * HMUL ^ word) & HMASK: FNV-1's 32-bit step over the
 HMASK = 0xFFFFFFFF          # signature (the word's low half); its order counts
 F = CKPT + CK_LEVELS * CK_N * 2
@@ -73,6 +74,7 @@ WORDS = HDR + ROWS * F
 # refusal (signature REFUSED). One store per call; the host neighbours' copy is
 # agreement.HostRings; the watchdog compares it across hosts and for a waiting call.
 CALLS_N = 256
+CALLS_MASK = CALLS_N - 1    # seq & CALLS_MASK: call seq's place in the ring (CALLS_N is a power of two)
 XR = WORDS
 WIN_WORDS = WORDS + ROWS * CALLS_N
 
