@@ -201,8 +201,10 @@ def _from_env(ctx):
         raise mine[0][1]
     var, text = next(e[0] for e in errs if e)
     bad = [r for r, e in enumerate(errs) if any(v == var for v, _ in e)]
-    raise InvalidArgumentError(f"{text}; set {var} alike on every rank (invalid on "
-                               f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, not on rank {rank})")
+    where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, not on rank {rank}"
+    if var == _timing.ENV:   # (its values may differ between ranks: each rank's own waits)
+        raise InvalidArgumentError(f"{text}; {var} is invalid on {where}")
+    raise InvalidArgumentError(f"{text}; set {var} alike on every rank (invalid on {where})")
 
 
 def _release(ctx):

@@ -80,7 +80,7 @@ if select.select([0], [], [], t)[0]:
 os.write(2, msg.encode())
 try:
     os.kill(pid, signal.SIGTERM)
-    for _ in range(int(term / 0.1)):
+    for _ in range(round(term / 0.1)):
         time.sleep(0.1)
         os.kill(pid, 0)
     os.kill(pid, signal.SIGKILL)
