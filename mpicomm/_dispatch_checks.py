@@ -17,12 +17,8 @@ from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED
+from ._timing import TIMING
 from .errors import CollectiveMismatchError
-
-SPEC_WAIT = 2.0   # s a rank that reports waits for the spec of the member whose call differs
-# s a refusing rank waits for the specs of members that took part (its stand-in needs them: a
-# refusal that cannot stand in leaves the group a fresh start that the reporters did not decide)
-STAND_IN_WAIT = 3.5
 
 
 class AgreementPaths:
@@ -124,7 +120,7 @@ class AgreementPaths:
     def _decision_wait(self):
         """Seconds to wait for a reporter's final words and its decision on a fresh
         communicator (the members must decide alike, on MPI and on NCCL's host arrays)."""
-        return STAND_IN_WAIT + 2
+        return TIMING.decision_wait
 
     def _answer(self, k):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
@@ -183,7 +179,7 @@ class AgreementPaths:
             wr = g.ranks[peer]
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
                              lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
-                             timeout=SPEC_WAIT)
+                             timeout=TIMING.spec_wait)
             sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
             other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
@@ -231,7 +227,9 @@ class AgreementPaths:
         t0 = time.monotonic()
 
         def decided(rows):
-            late = time.monotonic() - t0 > STAND_IN_WAIT
+            # the stand-in needs the specs of the members that took part: a refusal that cannot stand
+            # in leaves the group a fresh start that the reporters did not decide
+            late = time.monotonic() - t0 > TIMING.stand_in_wait
             for j, row in rows.items():
                 if row is None:
                     continue      # no answer: taken as gone

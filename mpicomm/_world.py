@@ -5,7 +5,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from . import _state
+from . import _state, _timing
 from ._backends import get_backend_class, names as backend_names
 from ._backends.base import Work, complete_dropped, complete_pending
 from ._dispatch import Dispatcher
@@ -51,6 +51,10 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         MPICOMM_CHECK, else on; docs/RELIABILITY.md says what it catches, what it costs
         and its limits).
 
+    MPICOMM_TIMING sets the other waits of the reliability machinery (``field=seconds``
+    entries separated by commas; docs/RELIABILITY.md, "Timing values"); a bad entry raises
+    InvalidArgumentError on every rank.
+
     Under NCCL, selects GPU ``local_rank % device_count`` before creating the
     communicator. Calling init again with the same arguments does nothing; with
     different ones it raises InvalidArgumentError. Raises BackendUnavailableError
@@ -79,6 +83,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
                       "the same arguments as the first call "
                       f"{dict(zip(names, CTX.init_key))} "
                       "(call finalize() first to change them)")
+    _timing.apply_env()   # (a bad value is raised on every rank once the world exists)
     # MPI's start waits for every rank of the job, holding the GIL: watched from a helper
     # process (where mpi4py has started MPI already, at the program's own import, nothing is left to watch)
     mod = sys.modules.get("mpi4py.MPI")

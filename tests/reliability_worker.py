@@ -111,6 +111,29 @@ def main():
         say("after", mpicomm.is_initialized(), float(mpicomm.all_reduce(np.ones(1))[0]))
         return
 
+    if MODE == "timing_env":  # TIMING_BAD as MPICOMM_TIMING (on TIMING_BAD_RANK only, where given), then
+        # each rank's own TIMING_GOOD_<rank>: every timing value after init, and a call
+        import json
+
+        from mpi4py import MPI
+
+        r = MPI.COMM_WORLD.Get_rank()
+        if "TIMING_BAD" in os.environ:
+            only = os.environ.get("TIMING_BAD_RANK")
+            if only is None or int(only) == r:
+                os.environ["MPICOMM_TIMING"] = os.environ["TIMING_BAD"]
+            expect_error(mpicomm.InvalidArgumentError, mpicomm.init)
+        os.environ["MPICOMM_TIMING"] = os.environ.get(f"TIMING_GOOD_{r}", "")
+        mpicomm.init()
+        from mpicomm._timing import TIMING, names
+
+        say("timing", json.dumps({k: getattr(TIMING, k) for k in names()}))
+        n = mpicomm.get_group_size()
+        got = mpicomm.all_reduce(np.random.default_rng([r, 5]).standard_normal(3))
+        want = sum(np.random.default_rng([q, 5]).standard_normal(3) for q in range(n))
+        say("after", "ok" if np.allclose(got, want) else "WRONG")
+        return
+
     if MODE == "late_start":  # rank 1 starts MPI (its own init()) LATE_S seconds after the others
         if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK")) == "1":   # (MPI not started yet)
             lagging_here(float(os.environ["LATE_S"]))

@@ -16,21 +16,20 @@ import pytest
 
 import mpicomm
 from mpicomm import CollectiveMismatchError, InvalidArgumentError, MpicommError
+from mpicomm._timing import TIMING
 
 pytestmark = pytest.mark.mpi
-
-# s: a report reaches every rank within 2 s, but for a rank that had returned from the call
-# before the report and whose next call waits for the reporter's decision on a fresh
-# communicator (up to 5.5 s where the reporter's stand-in waits for specs; docs/RELIABILITY.md)
-LONGEST_WAIT = 5.5
-
 
 def _limit():
     """s within which each rank raises: 4 times the longest wait, room for a crowded 2-core
     machine, and half the watchdog's timeout at most, which is what a disagreement that no
-    check found would wait for."""
+    check found would wait for. The longest wait: a report reaches every rank within
+    TIMING.spec_wait, but for a rank that had returned from the call before the report and
+    whose next call waits for the reporter's decision on a fresh communicator
+    (TIMING.decision_wait, where the reporter's stand-in waits for specs; docs/RELIABILITY.md)."""
+    longest = max(TIMING.spec_wait, TIMING.decision_wait)
     timeout = mpicomm._state.CTX.timeout
-    return min(4 * LONGEST_WAIT, timeout / 2) if timeout else 4 * LONGEST_WAIT
+    return min(4 * longest, timeout / 2) if timeout else 4 * longest
 
 
 def _attempt(fn):

@@ -129,13 +129,14 @@ def test_nccl_unique_id_forms():
 
 def test_finalize_does_not_wait_forever_for_a_communicator_nccl_will_not_destroy(capsys, monkeypatch):
     """NCCL waits in ncclCommDestroy until every CUDA graph that captured one of the
-    communicator's calls is destroyed: finalize gives the destroy DESTROY_WAIT seconds, then
+    communicator's calls is destroyed: finalize gives the destroy TIMING.destroy_wait seconds, then
     says why on stderr and goes on (a communicator whose destroy returns is destroyed as is)."""
     import contextlib
     import threading
     import time
 
     from mpicomm._backends import nccl
+    from mpicomm._timing import TIMING
 
     class Communicator:   # stands for one whose ncclCommDestroy waits on a live graph
         def __init__(self, held):
@@ -146,7 +147,7 @@ def test_finalize_does_not_wait_forever_for_a_communicator_nccl_will_not_destroy
                 threading.Event().wait(30)
             self.destroyed.set()
 
-    monkeypatch.setattr(nccl, "DESTROY_WAIT", 0.3)
+    monkeypatch.setattr(TIMING, "destroy_wait", 0.3)
     c = Communicator(held=False)
     nccl._destroy(c, 3, contextlib.nullcontext)
     assert c.destroyed.is_set() and capsys.readouterr().err == ""

@@ -615,10 +615,10 @@ def test_finalize_with_dropped_work_that_cannot_complete():
 def test_nonzero_exit_while_the_others_compute_ends_the_job_with_its_status(n):
     """Rank 1 exits with 3 while the others are busy outside mpicomm (no call to notice it):
     rank 1 ends the job with 3 itself after a few seconds (plain mpirun would wait)."""
-    from mpicomm._reliability import LEAVE_WAIT
+    from mpicomm._timing import TIMING
 
     p, took = fault(n, "exit_later", env={"MPICOMM_TIMEOUT": str(LONG), "EXIT_STATUS": "3"}, limit=90)
-    assert p.returncode == 3 and took < LEAVE_WAIT + SLACK, (p.returncode, took, p.stderr)
+    assert p.returncode == 3 and took < TIMING.leave_wait + SLACK, (p.returncode, took, p.stderr)
     others = ", ".join(str(k) for k in range(n) if k != 1)
     assert (f"[mpicomm rank 1] this rank exits with status 3 while rank{'s' if n > 2 else ''} {others} still "
             "run: ending the job with exit status 3") in p.stderr, p.stderr

@@ -154,12 +154,12 @@ CROSS_HOST = r'''
 import os, sys, time
 import numpy as np
 import mpicomm
-import mpicomm._reliability.agreement as agreement
 
 slow = sys.argv[2] == "slow"
 if slow and os.environ.get("OMPI_COMM_WORLD_RANK") == "2":   # node2's first member compares
-    agreement.XHOST_EVERY = 4.0   # across hosts only every 4 s (a busy host): rank 0 finds the
-    #                               difference first and must wait for rank 2's description
+    os.environ["MPICOMM_TIMING"] = "xhost_every=4"   # across hosts only every 4 s (a busy host): rank 0
+    #                                                  finds the difference first and must wait for
+    #                                                  rank 2's description
 mpicomm.init(backend="mpi")
 r = mpicomm.get_rank()
 x = np.random.default_rng(r).standard_normal(4).astype(np.float32)
@@ -250,12 +250,8 @@ CROSS_CAUGHT = r"""
 import sys, time
 import numpy as np
 import mpicomm
-import mpicomm._reliability.agreement as agreement
 
-fast = sys.argv[1] == "history"
-if fast:   # comparisons across hosts 15 s apart (0.25 s by default): call 2 has left the
-    agreement.XHOST_EVERY = 15.0  # 256-call rings by then, as in a loop faster than the
-    #                               comparisons (these namespaces take about 12 ms a call)
+fast = sys.argv[1] == "history"   # (then MPICOMM_TIMING=xhost_every=15: the test's)
 mpicomm.init(backend="mpi")
 r = mpicomm.get_rank()
 x = np.random.default_rng(r).standard_normal(5).astype(np.float32)
@@ -301,8 +297,12 @@ def test_calls_that_differ_between_hosts_raise_on_every_rank_and_the_group_goes_
     on with right results and the job ends with status 0."""
     script = tmp_path / "cross_caught.py"
     script.write_text(CROSS_CAUGHT)
+    # history: comparisons across hosts 15 s apart (0.25 s by default), through mpicomm-run to every
+    # rank of both hosts: call 2 has left the 256-call rings by then, as in a loop faster than the
+    # comparisons (these namespaces take about 12 ms a call)
+    env = clean_mpi_env({"MPICOMM_TIMING": "xhost_every=15"} if found_by == "history" else {})
     proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "240", str(script), found_by),
-                     clean_mpi_env(), timeout=300)
+                     env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     raised = {}

@@ -35,12 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._ops import NAMES
+from .._timing import TIMING
 from ..errors import CollectiveTimeoutError, MpicommError, invalid
-
-# Seconds between a waiting Work's checks (through the watchdog the dispatcher hands it)
-# whether a rank the call waits for has left its script; the watchdog's EXIT_CHECK for
-# blocking calls.
-DEPARTED_CHECK = 2.0
 
 # Works dropped before they completed. MPI and NCCL go on writing into their buffers
 # after the handle is gone, so a dropped Work is kept here (with its request and
@@ -299,7 +295,9 @@ class Work:
     def _block(self, timeout):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        check = start + DEPARTED_CHECK    # then: has a rank this waits for left its script?
+        # then (and every TIMING.exit_check s, through the watchdog the dispatcher hands it):
+        # has a rank this waits for left its script? (the watchdog's check of blocking calls)
+        check = start + TIMING.exit_check
         disp = self._disp()
         spins = 0
         while not self._poll():
@@ -318,7 +316,7 @@ class Work:
                 if deadline is not None and now > deadline:
                     self._timed_out(timeout)
                 if now > check and self._watch is not None:
-                    check = now + DEPARTED_CHECK
+                    check = now + TIMING.exit_check
                     self._watch.work_departed(self.description, now - start)  # reports and ends the job
                 self._idle()
 

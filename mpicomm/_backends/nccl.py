@@ -17,6 +17,7 @@ import time
 from .._arrays import is_gpu_array, is_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
                     SCATTER, SENDRECV, check_op_dtype, nccl_ops)
+from .._timing import TIMING
 from .._topology import select_gpu
 from .. import _native
 from ..errors import BackendUnavailableError, CommunicationError, invalid
@@ -65,15 +66,14 @@ class _Aborted:
 _ABORTED = _Aborted()
 
 
-# Seconds finalize() gives ncclCommDestroy. NCCL waits in it until every CUDA graph that
-# captured a call of the communicator has been destroyed (the graph holds the communicator's
-# resources): a graph still referenced at finalize() would make it wait forever.
-DESTROY_WAIT = 10.0
+# finalize() gives ncclCommDestroy TIMING.destroy_wait s. NCCL waits in it until every CUDA
+# graph that captured a call of the communicator has been destroyed (the graph holds the
+# communicator's resources): a graph still referenced at finalize() would make it wait forever.
 
 
 def _destroy(comm, rank, device):
     """Destroy NCCL communicator ``comm`` (in a thread on ``device()``, a context manager)
-    within DESTROY_WAIT s, else say why and go on."""
+    within ``TIMING.destroy_wait`` s, else say why and go on."""
     gc.collect()   # graphs nobody references any more go first
     done = []
 
@@ -85,10 +85,10 @@ def _destroy(comm, rank, device):
             done.append(True)
     t = threading.Thread(target=destroy, name="mpicomm-nccl-destroy", daemon=True)
     t.start()
-    t.join(DESTROY_WAIT)
+    t.join(TIMING.destroy_wait)
     if not done:
         print(f"mpicomm: rank {rank}: finalize() could not destroy the NCCL communicator within "
-              f"{DESTROY_WAIT:g} s: NCCL waits until every CUDA graph that captured one of its calls is "
+              f"{TIMING.destroy_wait:g} s: NCCL waits until every CUDA graph that captured one of its calls is "
               "destroyed. Delete such graphs (del graph) before finalize(); the communicator is left to "
               "the process's exit.", file=sys.stderr, flush=True)
 

@@ -24,9 +24,8 @@ import threading
 import time
 
 from .._ops import RECV, SEND
+from .._timing import TIMING
 
-# seconds close() waits for blocking tagged sends that MPI has not completed yet
-CLOSE_WAIT = 5.0
 PAUSE_MIN, PAUSE_MAX = 2e-5, 1e-3   # s between the outbox thread's tests (doubling while idle)
 # sends never completed by close(): kept (request and buffer) for as long as the process
 # lives, since MPI may still read the buffer, and never waited for again
@@ -146,10 +145,10 @@ class TaggedP2P:
             return result
         return _landing(r, o, land, result)
 
-    def close(self, wait=CLOSE_WAIT):
-        """Give MPI up to ``wait`` seconds to complete the blocking sends still in the outbox;
+    def close(self, wait=None):
+        """Give MPI up to ``wait`` seconds (default ``TIMING.close_wait``) to complete the blocking sends still in the outbox;
         say on stderr which were never received."""
-        left = self.outbox.drain(wait)
+        left = self.outbox.drain(TIMING.close_wait if wait is None else wait)
         if left:
             what = ", ".join(f"{w.description.name} of shape {tuple(w.description.shape)}" for w in left[:4])
             sys.stderr.write(f"mpicomm: {len(left)} tagged GPU send(s) still not received when the "
@@ -171,4 +170,4 @@ def _landing(w, o, land, result):
     return w
 
 
-__all__ = ["TaggedP2P", "Outbox", "CLOSE_WAIT"]
+__all__ = ["TaggedP2P", "Outbox"]

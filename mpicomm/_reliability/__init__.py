@@ -18,18 +18,16 @@ import atexit
 import sys
 import time
 
+from .. import _timing
 from .._backends.base import complete_dropped
+from .._timing import TIMING
 from ..errors import CollectiveTimeoutError, InvalidArgumentError
 from . import agreement
 from .abort import ExceptHooks, ExitStatus, abort_job, rank_prefix
 from .debug import Checked
 from .flight import FlightRecorder, size_from_env
 from .progress import EXITED, Progress
-from .watchdog import EXIT_CHECK, GRACE, Watchdog
-
-# seconds a rank that exits with a non-zero status waits for its peers (to report it, or to
-# exit too) before it ends the job with its status itself
-LEAVE_WAIT = EXIT_CHECK + 2 * GRACE + 6.0
+from .watchdog import Watchdog
 
 
 class Reliability:
@@ -41,7 +39,7 @@ class Reliability:
         # resync makes the fresh one (the old one may hold requests of the failed call that
         # would take the duplication's own messages)
         self._spares = {}
-        size = _flight_size(ctx)
+        size = _from_env(ctx)
         self.progress = Progress(ctx.world.mpi_comm, ctx.world.rank)
         self.rings = agreement.HostRings(ctx.local_comm, ctx.world.rank, ctx.check and ctx.world.size > 1)
         self.flight = FlightRecorder(size, self.groups, self.progress, ctx.world.rank, ctx.world.size)
@@ -136,21 +134,21 @@ class Reliability:
         self.close(free=False)
 
     def _leave(self, status):
-        """Wait (at most LEAVE_WAIT s) for the peers to leave too, or to report this rank's
+        """Wait (at most ``TIMING.leave_wait`` s) for the peers to leave too, or to report this rank's
         exit and abort the job, before MPI_Finalize: Open MPI's prterun was seen to crash
         (SIGSEGV, the status lost) when the abort came while a rank was inside MPI_Finalize.
         With a non-zero status the job ends with it: if the peers have neither left nor
         aborted by then, this rank aborts the job itself (MPI_Finalize would wait for them,
         and mpirun would then report 1, or 0)."""
         peers = [r for r in range(self.ctx.world.size) if r != self.ctx.world.rank]
-        deadline = time.monotonic() + LEAVE_WAIT
+        deadline = time.monotonic() + TIMING.leave_wait
         while time.monotonic() < deadline:
             states = self.progress.read_peers(peers)
             # a peer that does not answer is taken as gone (across hosts, one waiting inside
             # MPI_Finalize may not serve reads): waiting for it would only delay the exit
             if all(st is None or st[EXITED] for st in states.values()):
                 return
-            time.sleep(0.25)
+            time.sleep(min(0.25, TIMING.leave_wait / 10))   # (reading the peers again)
         if not status:
             return
         left = [r for r, st in self.progress.read_peers(peers).items() if st is None or not st[EXITED]]
@@ -179,24 +177,34 @@ class Reliability:
             self._checked = []
 
 
-def _flight_size(ctx):
-    """MPICOMM_FLIGHT_RECORDER, agreed over the world: a bad value on any rank raises on
-    every rank (after releasing what init made so far), so none waits in the next step."""
-    err = size = None
+def _from_env(ctx):
+    """MPICOMM_TIMING (applied by init() already: here only checked) and the flight
+    recorder's size (MPICOMM_FLIGHT_RECORDER), agreed over the world: a bad value on any rank
+    raises on every rank (after releasing what init made so far), so none waits in the next
+    step."""
+    rank = ctx.world.rank
+    mine = []   # (variable, error) of this rank
     try:
-        size = size_from_env(ctx.world.rank)
+        _timing.from_env(rank)
     except InvalidArgumentError as e:
-        err = e
-    errs = ctx.world.mpi_comm.allgather(None if err is None else str(err))
+        mine.append((_timing.ENV, e))
+    size = None
+    try:
+        size = size_from_env(rank)
+    except InvalidArgumentError as e:
+        mine.append(("MPICOMM_FLIGHT_RECORDER", e))
+    errs = ctx.world.mpi_comm.allgather([(var, str(e)) for var, e in mine])
     if not any(errs):
         return size
-    rank = ctx.world.rank
     _release(ctx)
-    if err is not None:
-        raise err
-    bad = [r for r, e in enumerate(errs) if e]
-    raise InvalidArgumentError(f"{errs[bad[0]]}; set MPICOMM_FLIGHT_RECORDER alike on every rank (invalid on "
-                               f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, not on rank {rank})")
+    if mine:
+        raise mine[0][1]
+    var, text = next(e[0] for e in errs if e)
+    bad = [r for r, e in enumerate(errs) if any(v == var for v, _ in e)]
+    where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, not on rank {rank}"
+    if var == _timing.ENV:   # (its values may differ between ranks: each rank's own waits)
+        raise InvalidArgumentError(f"{text}; {var} is invalid on {where}")
+    raise InvalidArgumentError(f"{text}; set {var} alike on every rank (invalid on {where})")
 
 
 def _release(ctx):

@@ -17,7 +17,7 @@ What happens on a disagreement:
   report into its progress window and POISON into every member's row; they raise it at
   their next call on the group. A call that cannot complete (MPI or NCCL waits for data
   that never comes) is found by the watchdog, which compares the ranks' ring words once a
-  call has waited WAIT_CHECK s and ends the job with every rank's call named.
+  call has waited ``TIMING.wait_check`` s (mpicomm._timing) and ends the job with every rank's call named.
 * **A rank refused the call** (an argument error on that rank only): it publishes the
   refusal (signature REFUSED) and POISON, waits until every member has either refused too
   or entered the call, and, where a member is waiting inside the call, takes part with a
@@ -48,13 +48,8 @@ RING = F              # where a row read by read_row holds its ring of calls
 RING_N = CALLS_N
 
 ALL_PEERS = 8         # up to this many members on a host, each compares with all of them
-WAIT_CHECK = 1.0      # s a call waits before the watchdog compares every member's signature
-REFUSAL_WAIT = 3.0    # s a call waits on a refused peer before the watchdog ends the job
-XHOST_EVERY = 0.25    # s between the watchdog's comparisons of calls across hosts
-XHOST_PERIOD = 1.0    # s a difference across hosts must last before it ends the job
 XHOST_GROUPS = 8      # groups compared across hosts per round (two RMA reads each)
-XHOST_DESCRIBE = 15.0  # s a difference across hosts waits at most for the other host's description
-XHOST_GIVE_UP = 5.0   # s after which such a read is abandoned (a peer that does not answer)
+# (the waits: mpicomm._timing.TIMING)
 
 
 ACROSS = 1 << 23     # in a POISON word: the report of a comparison across hosts (its text is in

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from .._timing import TIMING
 from . import agreement as agr
 from .progress import AT_POISON, ENTERED, POISON, F
 
@@ -25,7 +26,7 @@ class CrossHostCheck:
     def final_check(self):
         """At exit: the last comparison across hosts (a job whose last calls differ between
         hosts must not end with status 0): reads started now, waited for at most
-        XHOST_GIVE_UP s."""
+        ``TIMING.xhost_give_up`` s."""
         if self.fired:
             return
         for b, (g, first, msg, _) in list(self._xtold.items()):   # told, but no call came to raise it in
@@ -43,7 +44,7 @@ class CrossHostCheck:
             while reads and not self.fired:
                 time.sleep(0.01)
                 self._cross_hosts(time.monotonic(), final=True, reads=reads, start=False,
-                                  give_up=time.monotonic() - t0 > agr.XHOST_GIVE_UP)
+                                  give_up=time.monotonic() - t0 > TIMING.xhost_give_up)
         except Exception:
             pass
 
@@ -73,7 +74,7 @@ class CrossHostCheck:
                         reads[b] = (disp.xhost, started, now)
                 continue
             _, (r1, r2), t0 = pend
-            late = give_up or now - t0 > agr.XHOST_GIVE_UP
+            late = give_up or now - t0 > TIMING.xhost_give_up
             row, theirs = self.progress.done_read(r1, late), self.progress.done_read(r2, late)
             if row is None or theirs is None:
                 if late:
@@ -99,8 +100,8 @@ class CrossHostCheck:
                 if sw is not None:
                     self._xpeer[b] = sw.copy()
             waited = now - self._xseen[b][1]
-            if not final and (waited < agr.XHOST_PERIOD or (
-                    found[3] is None and b not in self._xpeer and waited < agr.XHOST_DESCRIBE)):
+            if not final and (waited < TIMING.xhost_period or (
+                    found[3] is None and b not in self._xpeer and waited < TIMING.xhost_describe)):
                 continue   # a member's report may still be on its way; the other host's words too
             if final:
                 return self._fire_cross(g, b, disp, *found)
@@ -110,8 +111,8 @@ class CrossHostCheck:
     def _describe_cross(self, g, b, disp, first, mine_w, theirs_w, since=None):
         """The report of call ``first`` that differs between this rank and the next host's
         first member (both calls described: the other one's words as its row had them in a
-        round of the comparison, else read now, waiting up to 2 s for them), or
-        with ``since``, of their histories of the calls after ``since`` up to ``first``."""
+        round of the comparison, else read now, waiting up to twice ``TIMING.xhost_period`` for
+        them), or with ``since``, of their histories of the calls after ``since`` up to ``first``."""
         from .._callspec import PeerSpec
 
         j, wr, slot, _ = disp.xhost
@@ -126,7 +127,7 @@ class CrossHostCheck:
         if me_spec is not None:
             agr.publish_spec(self.progress.m, b, first, me_spec)
         sw = self._xpeer.get(b)   # the other host's first member describes its call too (its
-        for _ in range(0 if sw is not None else int(agr.XHOST_PERIOD * 2 / 0.1)):   # watchdog)
+        for _ in range(0 if sw is not None else int(TIMING.xhost_period * 2 / 0.1)):   # watchdog)
             row = self.progress.read_words(wr, slot, F)
             sw = agr.spec_words(row, first) if row is not None else None
             if sw is not None or row is None:
@@ -173,14 +174,14 @@ class CrossHostCheck:
 
     def _raise_after(self, b, disp):
         """The call after which every member raises a report told now: this rank's next calls
-        for about half a second at its present pace (at least 16), so that the report reaches
+        for ``TIMING.xhost_ahead`` s at its present pace (at least 16), so that the report reaches
         every member before the call, and they all raise it after the same call, which
         every one of them makes as usual (no call of the group is refused or left unmatched)."""
         seq = disp.seq
         last = self._xrate.get(b)
         last = last[2] if last is not None else None
         rate = (seq - last[1]) / max(time.monotonic() - last[0], 0.05) if last is not None else 0
-        return seq + max(16, int(rate * 0.5))
+        return seq + max(16, int(rate * TIMING.xhost_ahead))
 
     def _told_here(self, b):
         """A report across hosts waits in this rank's row (group row ``b``) already."""

@@ -10,7 +10,8 @@ import time
 from typing import Any, NamedTuple
 
 from .._ops import NAMES, RECV
-from .progress import (DONE, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, READ_WAIT, ROWS, TDONE,
+from .._timing import TIMING
+from .progress import (DONE, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, ROWS, TDONE,
                        XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
 
 
@@ -29,7 +30,7 @@ class Diagnosis:
         where = f"rank {peer}" if g is self.world or gr is None else f"rank {peer} (rank {gr} of the group)"
         self.lagging = []
         if st is None:
-            line = f"state unknown (no answer within {READ_WAIT:g} s: the process may have died)"
+            line = f"state unknown (no answer within {TIMING.read_wait:g} s: the process may have died)"
             part = f"rank {peer} did not answer"
         elif st[EXITED]:
             line = f"has left its script ({_how(st)}) without a matching {other}"
@@ -103,7 +104,7 @@ class Diagnosis:
         where = f"rank {wr}" if g is self.world else f"rank {wr} (rank {gr} of the group)"
         if st is None:
             c.missing.append(wr)
-            c.lines.append(f"  {where}: state unknown (no answer within {READ_WAIT:g} s: "
+            c.lines.append(f"  {where}: state unknown (no answer within {TIMING.read_wait:g} s: "
                            "the process may have died)")
             return
         rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]

@@ -20,6 +20,7 @@ import threading
 import time
 
 from .._ops import ALL_REDUCE, BROADCAST, NAMES, REDUCE, REDUCE_SCATTER
+from .._timing import TIMING
 from ..errors import invalid
 
 ENV = "MPICOMM_FLIGHT_RECORDER"
@@ -28,7 +29,6 @@ DEFAULT = 64
 FORMAT = "mpicomm-flight-record"
 VERSION = 1
 ALLOWED = f"an integer >= 0: the calls kept per group (default {DEFAULT}; 0 turns the flight recorder off)"
-DUMP_WAIT = 5.0   # seconds the watchdog waits for a record to be written before it goes on
 
 def size_from_env(rank=None):
     """N from MPICOMM_FLIGHT_RECORDER (default 64). Raises InvalidArgumentError naming the
@@ -154,7 +154,7 @@ class FlightRecorder:
 
     def report_line(self, reason, prefix, report=None):
         """Write the record for a report and return the report's line saying where (or why
-        not); never raises, and gives up after DUMP_WAIT s (a hung file system)."""
+        not); never raises, and gives up after ``TIMING.dump_wait`` s (a hung file system)."""
         box = []
         peers, self.peers = self.peers, None   # what this report's diagnosis read (once)
 
@@ -166,9 +166,9 @@ class FlightRecorder:
 
         t = threading.Thread(target=write, name="mpicomm-flight-dump", daemon=True)
         t.start()
-        t.join(DUMP_WAIT)
+        t.join(TIMING.dump_wait)
         if not box:
-            return f"{prefix}flight record: not written (still writing after {DUMP_WAIT:g} s)\n"
+            return f"{prefix}flight record: not written (still writing after {TIMING.dump_wait:g} s)\n"
         path, err = box[0]
         if err is not None:
             return f"{prefix}flight record: not written ({err})\n"

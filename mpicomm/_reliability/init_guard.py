@@ -12,7 +12,7 @@ import sys
 import threading
 
 from .abort import abort_job, rank_prefix
-from .watchdog import GRACE
+from .._timing import TIMING
 
 class InitGuard:
     """Watches init() itself, before the progress window exists: if a stage does not end
@@ -60,7 +60,7 @@ class InitGuard:
                          f"{rank_prefix()}  (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)\n"
                          f"{rank_prefix()}aborting the job\n")
         sys.stderr.flush()
-        abort_job(grace=GRACE)
+        abort_job(grace=TIMING.grace)
 
     def done(self):
         t, self._t = self._t, None
@@ -70,16 +70,17 @@ class InitGuard:
 
 # The helper of StartGuard (python -I -S -c): waits up to the timeout for its stdin to close
 # or speak (init got past MPI's start, or its process is gone); else writes the report to
-# the rank's stderr and ends the rank (SIGTERM, then SIGKILL), which ends the job.
+# the rank's stderr and ends the rank (SIGTERM, then SIGKILL TIMING.term_wait s later), which
+# ends the job.
 _WATCH = r"""
 import os, select, signal, sys, time
-t, pid, msg = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+t, pid, msg, term = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 if select.select([0], [], [], t)[0]:
     sys.exit(0)
 os.write(2, msg.encode())
 try:
     os.kill(pid, signal.SIGTERM)
-    for _ in range(30):
+    for _ in range(round(term / 0.1)):
         time.sleep(0.1)
         os.kill(pid, 0)
     os.kill(pid, signal.SIGKILL)
@@ -108,7 +109,7 @@ class StartGuard:
                f"{p}aborting the job\n")
         try:
             self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCH, repr(float(timeout)),
-                                       str(os.getpid()), msg], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                                       str(os.getpid()), msg, repr(float(TIMING.term_wait))], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         except (OSError, ValueError, TypeError):   # (no interpreter to start: unwatched)
             self.p = None
 

@@ -15,6 +15,7 @@ import zlib
 
 import numpy as np
 
+from .._timing import TIMING
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
@@ -112,7 +113,6 @@ def checkpoints(words, base):
         if seq:
             out[seq] = int(words[base + CKPT + 2 * i + 1])
     return out
-READ_WAIT = 2.0   # seconds to wait for peers' rows before calling them unknown
 
 
 def ghash(name):
@@ -216,7 +216,7 @@ class Progress:
                 reqs.append(self.win.Rput([stamp, MPI.INT64_T], r, target=(DUMP, 1, MPI.INT64_T)))
             except Exception:
                 pass
-        deadline = time.monotonic() + READ_WAIT   # a dead peer must not hold up the report
+        deadline = time.monotonic() + TIMING.read_wait   # a dead peer must not hold up the report
         while reqs and time.monotonic() < deadline:
             reqs = [q for q in reqs if not q.Test()]
             if reqs:
@@ -236,7 +236,7 @@ class Progress:
 
     def put_words(self, rank, index, values):
         """Write int64 ``values`` at word ``index`` of world ``rank``'s window (RMA put);
-        waits at most READ_WAIT s for them to leave (a dead peer must not hold anyone up)."""
+        waits at most ``TIMING.read_wait`` s for them to leave (a dead peer must not hold anyone up)."""
         if rank == self.wrank:
             for i, v in enumerate(values):
                 self.m[index + i] = v
@@ -274,7 +274,7 @@ class Progress:
 
     def read_words(self, rank, index, n):
         """``n`` int64 words at ``index`` of world ``rank``'s window (a copy), or None when it
-        does not answer within READ_WAIT s."""
+        does not answer within ``TIMING.read_wait`` s."""
         if rank == self.wrank:
             return np.frombuffer(self.m, np.int64, n, index * 8).copy()
         if self.win is None:
@@ -286,7 +286,7 @@ class Progress:
             q = self.win.Rget([buf, MPI.INT64_T], rank, target=(index, n, MPI.INT64_T))
         except Exception:
             return None
-        deadline = time.monotonic() + READ_WAIT
+        deadline = time.monotonic() + TIMING.read_wait
         while not q.Test():
             if time.monotonic() > deadline:
                 self._keep(q, buf)
@@ -393,7 +393,7 @@ class Progress:
                 bufs[r] = buf
             except Exception:
                 pass
-        deadline = time.monotonic() + READ_WAIT
+        deadline = time.monotonic() + TIMING.read_wait
         while reqs and time.monotonic() < deadline:
             for r, q in list(reqs.items()):
                 if q.Test():

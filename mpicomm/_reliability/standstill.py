@@ -7,6 +7,7 @@ import time
 
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, CREATE_GROUP, DESTROY_GROUP, NAMES,
                     REDUCE_SCATTER)
+from .._timing import TIMING
 from . import agreement as agr
 from .progress import DONE, ENTERED, EXITED, GHASH, HDR, ROWS, F, ghash
 
@@ -20,7 +21,7 @@ class Standstills:
     def _fresh_apart(self, g, disp, key, seq, waited):
         """This rank makes the group's fresh communicator at the start of call ``seq`` while a
         member has entered that call on the old one (it did not decide on a fresh start):
-        neither can go on. Ends the job after REFUSAL_WAIT s of it; True when it fired."""
+        neither can go on. Ends the job after ``TIMING.refusal_wait`` s of it; True when it fired."""
         apart = []
         for j, wr in enumerate(g.ranks):
             row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
@@ -30,7 +31,7 @@ class Standstills:
             self._refused_seen.pop(key, None)
             return False
         first = self._refused_seen.setdefault(key, time.monotonic())
-        if time.monotonic() - first < agr.REFUSAL_WAIT:
+        if time.monotonic() - first < TIMING.refusal_wait:
             return False
         why = self.progress.reason_of(self.progress.wrank) or "an earlier disagreement"
         return self._fire_mismatch(g, seq, f"after {why}: this rank makes the group's fresh communicator at "
@@ -43,7 +44,7 @@ class Standstills:
         member (all_reduce, all_gather, reduce_scatter, all_to_all, barrier, creating or
         destroying a group): neither can go on (the ranks called in another order, or passed
         create_group other rank lists). Ends the job naming both calls once that has held
-        for REFUSAL_WAIT s; True when it fired."""
+        for ``TIMING.refusal_wait`` s; True when it fired."""
         p = self.progress
         if not self._peers_read or self._peers_read[0] != (b, e):
             self._peers_read = ((b, e), None, None)
@@ -77,7 +78,7 @@ class Standstills:
         if self._peers_read[1] != key:
             self._peers_read = ((b, e), key, now)
             return False
-        if now - self._peers_read[2] < agr.REFUSAL_WAIT:
+        if now - self._peers_read[2] < TIMING.refusal_wait:
             return False
         wr, h, pe = found
         why = (f"rank {wr} waits in {NAMES.get(pe & 15, '?')} sequence {pe >> 4} on group {h.name!r}, which this "

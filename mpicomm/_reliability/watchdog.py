@@ -1,6 +1,7 @@
 """The watchdog: a thread that notices a collective pending past the timeout and says why.
 
-It sleeps on an Event and wakes every ``min(1 s, timeout / 10)``. When it sees the
+It sleeps on an Event and wakes every ``min(TIMING.watch_every, timeout / 10)`` (0.25 s by
+default; mpicomm._timing holds every wait named here). When it sees the
 same collective pending on two wakes further apart than the timeout, it reads the
 peers' progress rows, prints ``CollectiveTimeoutError: ...`` naming the collective,
 the group, its sequence number, shape, dtype and the ranks that have not reached it,
@@ -19,6 +20,7 @@ import time
 
 from .._backends.capture import relax_this_thread, stream_capturing
 from .._ops import NAMES
+from .._timing import TIMING
 from ..errors import CollectiveTimeoutError
 from .abort import abort_job, rank_prefix
 from . import agreement as agr
@@ -28,9 +30,6 @@ from .diagnosis import Diagnosis, describe_array
 from .progress import (DUMP, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
                        ghash, p2p_fields)
 from .stacks import Stacks, stack_path
-
-GRACE = 2.0       # seconds between printing a timeout and aborting, so other ranks print theirs
-EXIT_CHECK = 2.0  # seconds a call waits before the watchdog looks whether a peer has exited
 
 
 class Watchdog(Diagnosis, CrossHostCheck, Standstills):
@@ -78,11 +77,11 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self.stacks.uninstall_signal()
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout=5)
+            t.join(timeout=TIMING.stop_wait)
         self._thread = None
 
     def _loop(self):
-        period = min(0.25, self.timeout / 10)
+        period = min(TIMING.watch_every, self.timeout / 10)
         seen = {}       # row -> (entered word, first seen monotonic)
         done = {}       # row -> last done word seen
         events = {}     # row -> (done word, cuda event, recorded at, what, group)
@@ -118,9 +117,9 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 if s is None or s[0] != e:
                     seen[b] = (e, now)
                     continue
-                if now - s[1] >= agr.WAIT_CHECK and self._disagreement(g, b, e >> 4, now - s[1]):
+                if now - s[1] >= TIMING.wait_check and self._disagreement(g, b, e >> 4, now - s[1]):
                     return
-                states = p.read_peers([r for r in g.ranks if r != p.wrank]) if now - s[1] >= EXIT_CHECK else None
+                states = p.read_peers([r for r in g.ranks if r != p.wrank]) if now - s[1] >= TIMING.exit_check else None
                 if states is not None and self._crossed(g, b, e, s, now, states):
                     return   # (one read of the members' windows for both findings)
                 if now - s[1] >= self.timeout or (states is not None and self._peer_exited(g, e >> 4, states)):
@@ -141,7 +140,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             else:
                 waited = now - s[1]
                 peer = p2p_fields(w)[1]
-                if waited >= self.timeout or (waited >= EXIT_CHECK and self._exited([peer])):
+                if waited >= self.timeout or (waited >= TIMING.exit_check and self._exited([peer])):
                     self.fire_p2p(w, waited, early=waited < self.timeout)
                     return
         else:
@@ -159,7 +158,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 return
             self._tick_gpu(events, now)
         if now >= self._xnext:
-            self._xnext = now + agr.XHOST_EVERY
+            self._xnext = now + TIMING.xhost_every
             if self._cross_hosts(now):
                 return
         p.poke()
@@ -220,7 +219,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             # (this rank's own word is a report when it comes from the comparison across hosts;
             # else it marks a fresh communicator due after this rank raised)
             news = k > disp.raised if pw & agr.ACROSS else who != self.progress.wrank
-            if news and k < seq and waited >= agr.REFUSAL_WAIT and self._members_go_afresh(pw, who):
+            if news and k < seq and waited >= TIMING.refusal_wait and self._members_go_afresh(pw, who):
                 why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
@@ -229,7 +228,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 row = agr.read_row(self.progress, who, disp.slots[j])   # not a refusal: its stand-in
                 if row is not None and agr.ring_word(row, seq)[1] == "entered":   # comes)
                     first = self._refused_seen.setdefault(key, time.monotonic())
-                    if time.monotonic() - first >= 2 * agr.REFUSAL_WAIT:
+                    if time.monotonic() - first >= 2 * TIMING.refusal_wait:
                         why = agr.report_of(self.progress, pw) or f"rank {who} raised in call {k}"
                         return self._fire_mismatch(g, seq, f"{why}; rank {who} left the call, in which this "
                                                    "rank waits for it", waited)
@@ -245,7 +244,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             # members inside the call), unless that stand-in cannot complete (they left the
             # call: raised in it, or started it async)
             first = self._refused_seen.setdefault(key, time.monotonic())
-            if time.monotonic() - first < 2 * agr.REFUSAL_WAIT:
+            if time.monotonic() - first < 2 * TIMING.refusal_wait:
                 return False
             for j, wr in enumerate(g.ranks):   # a member not there yet: the refusal waits for it
                 row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
@@ -274,7 +273,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 self._refused_seen.pop(key, None)
                 return False
             first = self._refused_seen.setdefault(key, time.monotonic())
-            if time.monotonic() - first >= agr.REFUSAL_WAIT:
+            if time.monotonic() - first >= TIMING.refusal_wait:
                 why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
                 return self._fire_mismatch(g, seq, why, waited)
             return False
@@ -283,7 +282,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         from .._callspec import PeerSpec
 
         me_spec = disp.spec_for(seq)
-        time.sleep(2 * 0.25)   # the peers' watchdogs publish their specs
+        time.sleep(2 * TIMING.watch_every)   # the peers' watchdogs publish their specs (two of their wakes)
         calls = [f"rank {self.progress.wrank}: {me_spec.describe() if me_spec else NAMES.get(int(m[b]) & 15, '?')}"]
         for j, wr, _ in bad:
             row = agr.read_row(self.progress, wr, disp.slots[j])
@@ -377,10 +376,10 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 events[b] = (d, e, now, t.last_what, g)
                 continue
             d0, e, t0, what, g0 = ev
-            if not finished and now - t0 >= agr.WAIT_CHECK and self._disagreement(g0, b, d0 >> 4, now - t0):
+            if not finished and now - t0 >= TIMING.wait_check and self._disagreement(g0, b, d0 >> 4, now - t0):
                 return
             if not finished and not self._replays and (now - t0 >= self.timeout   # (a replay: its own report)
-                               or (now - t0 >= EXIT_CHECK and self._peer_exited(g0, d0 >> 4))):
+                               or (now - t0 >= TIMING.exit_check and self._peer_exited(g0, d0 >> 4))):
                 desc = f"shape {tuple(what[1])}, dtype {str(what[2]).replace('torch.', '')}" if what else "?"
                 self.fire(g0, d0 >> 4, NAMES.get(d0 & 15, "?"), desc, now - t0, gpu=True,
                           early=now - t0 < self.timeout)
@@ -414,7 +413,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         sys.stderr.write(self._flight_line(reason, f"{kind}: {msg}"))
         sys.stderr.flush()
         abort_job([g.transport for g in self.groups() if getattr(g, "transport", None) is not None],
-                  grace=GRACE, code=code)
+                  grace=TIMING.grace, code=code)
 
     # ------------------------------------------------------ mpicomm.replay
     def watch_replay(self, event, count):
