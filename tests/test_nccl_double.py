@@ -240,10 +240,11 @@ def test_reduce_scatter_into_a_chunk_of_x(cp, which, async_op, request):
                 out = x[2 * k:2 * k + 2]
                 assert done(mpicomm.reduce_scatter(x, op, out=out, group=g, async_op=async_op), async_op) is out
                 close(out.get(), reduce_np(xs, op)[2 * me:2 * me + 2])
-    x = cp.asarray(data(ranks[me], "rsoff", (2 * n, 3), "float32"))
+    # (one row more than x: out, shifted by one element, has a chunk's length at any rank count)
+    buf = cp.asarray(data(ranks[me], "rsoff", (2 * n + 1, 3), "float32")).reshape(-1)
     with pytest.raises(InvalidArgumentError, match=r"invalid out='an array that overlaps x'"):
-        mpicomm.reduce_scatter(x.reshape(-1), out=x.reshape(-1)[1:3 * 2 + 1], group=g)
-    close(x.get(), data(ranks[me], "rsoff", (2 * n, 3), "float32"))
+        mpicomm.reduce_scatter(buf[:6 * n], out=buf[1:3 * 2 + 1], group=g)
+    close(buf.get(), data(ranks[me], "rsoff", (2 * n + 1, 3), "float32").reshape(-1))
 
 
 # ----------------------------------------------------------------------- streams
