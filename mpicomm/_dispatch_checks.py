@@ -38,10 +38,9 @@ class AgreementPaths:
         not complete before every member's had started, so the words are there to compare."""
         if seq is None or seq <= self.raised:
             return
-        code = next((c for c, n in NAMES.items() if n == name), 0)
         if seq == self.seq:   # (no call since: the row's words are this call's, as after a blocking one)
             if self.mem[self.row + AT_POISON]:
-                self.poisoned_after(seq, code)
+                self.poisoned_after(seq, _code(name))
         if self.shr is None:
             return
         w = self.mem[self.cb + (seq & CALLS_MASK)]
@@ -52,9 +51,9 @@ class AgreementPaths:
             pw = pm[pb + k]
             if pw != w and pw >> 32 == seq:
                 if seq == self.seq:
-                    self.differs(seq, code, j, pw)
+                    self.differs(seq, _code(name), j, pw)
                 elif pw & 0xFFFFFFFF != REFUSED:   # (later calls made since: DONE is theirs)
-                    self.disagree(seq, code, j, None)
+                    self.disagree(seq, _code(name), j, None)
 
     def _me(self):
         """'rank 3', or 'rank 3 (rank 1 of group 'g')' in a group that is not the world."""
@@ -458,6 +457,11 @@ class AgreementPaths:
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         self._after(k, self._fresh(resync, k))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
+
+
+def _code(name):
+    """The collective code of ``name`` (looked up only on a slow path)."""
+    return next((c for c, n in NAMES.items() if n == name), 0)
 
 
 def _same_bytes(a, b):
