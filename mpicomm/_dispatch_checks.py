@@ -114,7 +114,13 @@ class AgreementPaths:
         if self.slots is None:
             return
         for j, wr in self._members().items():
-            rel.progress.put_words(wr, poison_index(self.slots[j]), [poison_word(seq, me)])
+            rel.progress.swap(wr, poison_index(self.slots[j]), poison_word(seq, me))
+
+    def _poison_cas(self, expected, new):
+        """This rank's POISON word for the group becomes ``new`` where it holds ``expected``
+        (compare-and-swap: a member's report that lands meanwhile is never overwritten)."""
+        p = self.rel.progress
+        p.cas(p.wrank, self.row + AT_POISON, expected, new)
 
     def _decision_wait(self):
         """Seconds to wait for a reporter's final words and its decision on a fresh
@@ -152,8 +158,8 @@ class AgreementPaths:
         self._raised_here(seq)   # (published: the comparison across hosts passes over it)
         if entered and self.rel is not None:   # (NCCL: host arrays' MPI communicator afresh)
             self.resync = True
-            if not self.mem[self.row + AT_POISON]:   # (a member's report there brings the next call here too)
-                self.mem[self.row + AT_POISON] = poison_word(seq, self.group.ranks[self.group.rank])
+            # (where a member's report waits, it brings the next call here too)
+            self._poison_cas(0, poison_word(seq, self.group.ranks[self.group.rank]))
 
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
@@ -281,8 +287,8 @@ class AgreementPaths:
             # this rank's own resync marker, a report about a call that raised here, or one
             # about this very call (this rank refuses it too): no news. A report about an
             # earlier call that returned here stays for the next call.
-            if (k <= self.raised or k == seq) and m[b + AT_POISON] == word:
-                m[b + AT_POISON] = 0
+            if k <= self.raised or k == seq:
+                self._poison_cas(word, 0)
         self.refuse(seq, code, e, None)
 
     def _stand_in(self, code, spec):
@@ -357,13 +363,11 @@ class AgreementPaths:
         # a word about a call this rank raised for: its own resync marker (_after), or a report
         # it has raised already. (A report across hosts may name this rank: its watchdog's.)
         if k <= self.raised:
-            if m[b + AT_POISON] == word:
-                m[b + AT_POISON] = 0
+            self._poison_cas(word, 0)
             return
         if k > seq or (k == seq and word & ACROSS):   # a member is ahead: this rank refuses that
             return   # call when it gets there; a report across hosts is raised after call k returns
-        if m[b + AT_POISON] == word:
-            m[b + AT_POISON] = 0
+        self._poison_cas(word, 0)
         if k == seq:     # before taking part: refuse it too
             reason = report_of(self.rel.progress, word) or f"rank {who} reported a disagreement in call {k}"
             m[b] = seq << 4 | code
@@ -432,8 +436,9 @@ class AgreementPaths:
         self._answer(seq)
         reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
         m, b = self.mem, self.row
-        if m[b + AT_POISON] and (m[b + AT_POISON] >> 24) == seq:
-            m[b + AT_POISON] = 0
+        word = m[b + AT_POISON]
+        if word and (word >> 24) == seq:
+            self._poison_cas(word, 0)
         self._after(seq, self._fresh(resync, seq))
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
@@ -447,7 +452,7 @@ class AgreementPaths:
         k, who = poison_fields(word)
         if k <= self.raised or k > seq or (word & ACROSS and k < seq):   # (a report across hosts
             return   # that came too late for call k: raised in the next call, refusing it)
-        m[b + AT_POISON] = 0
+        self._poison_cas(word, 0)   # (a word that came meanwhile stays for the next call)
         m[b + AT_DONE] = seq << 4 | code
         if word & ACROSS:   # every member made call k as usual: the group needs nothing more
             self._raised_here(k)

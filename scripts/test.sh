@@ -95,11 +95,11 @@ stage() {
 if [ "${MPICOMM_TEST_SERIAL:-1}" != 0 ]; then
     echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
     # The serial tests mostly wait for the jobs they start (timeouts, reports): run in
-    # MPICOMM_TEST_JOBS processes (default 2; pytest-xdist), a test file per process at a time.
+    # MPICOMM_TEST_JOBS processes (default 2; pytest-xdist), each taking the next test when it is free.
     jobs=${MPICOMM_TEST_JOBS:-2}
     par=()
     if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
-        par=(-n "$jobs" --dist loadfile)
+        par=(-n "$jobs" --dist worksteal)
     fi
     stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 fi

@@ -377,6 +377,23 @@ def test_percall_defaults():
     assert args.fresh and args.pool == 3
 
 
+def test_trial_run_caps_sizes_rounds_and_iterations(monkeypatch):
+    """MPICOMM_BENCH_TRIAL=1 (how the test suite runs the documented commands): sizes up to
+    64 KiB, one round, at most 3 iterations; without it the arguments stand as given."""
+    argv = ["-b", "256K", "-e", "256M", "-f", "2", "-n", "0", "--rounds", "8", "--target-time", "0.5"]
+    monkeypatch.delenv("MPICOMM_BENCH_TRIAL", raising=False)
+    args = cli._parser().parse_args(argv)
+    cli._validate(args)
+    assert (args.sizes[0], args.sizes[-1], args.rounds, args.target_time) == (256 << 10, 256 << 20, 8, 0.5)
+    monkeypatch.setenv("MPICOMM_BENCH_TRIAL", "1")
+    args = cli._parser().parse_args(argv)
+    cli._validate(args)
+    assert (args.sizes, args.rounds, args.iters, args.target_time) == ([64 << 10], 1, 0, 0.01)
+    args = cli._parser().parse_args(["-b", "8", "-e", "1M", "-f", "8", "-n", "50", "-w", "9"])
+    cli._validate(args)
+    assert (args.sizes, args.iters, args.warmup) == ([8, 64, 512, 4096, 32768], 3, 1)
+
+
 # ---------------------------------------------------------------- real runs at 2 ranks
 
 def _run(args, tmp_path, env=None):

@@ -34,12 +34,13 @@ a scratch GPU buffer. Uneven calls with explicit per-rank sizes cannot be stood 
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECSEQ,
+from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECEND, SPECSEQ,
                        F, HDR, calls_base, checkpoints)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
@@ -243,18 +244,25 @@ def pending(row, seq):
 
 
 def spec_words(row, seq):
-    """The SPEC words a row published for ``seq``, or None."""
-    if int(row[SPECSEQ]) != seq:
+    """The SPEC words a row (a copy) published for ``seq``, or None (another call's, or a
+    copy taken while they were being written)."""
+    if int(row[SPECSEQ]) != seq or int(row[SPECEND]) != seq:
         return None
     return row[SPEC:SPEC + SPEC_N]
 
 
+_PUBLISH = threading.Lock()   # the main thread and the watchdog both publish descriptions
+
+
 def publish_spec(m, b, seq, spec):
-    """Write ``spec`` as this rank's call ``seq`` into the row at ENTERED index ``b``."""
+    """Write ``spec`` as this rank's call ``seq`` into the row at ENTERED index ``b``:
+    SPECEND first, SPECSEQ last (see spec_words); one writer at a time."""
     base = b - ENTERED
-    for i, v in enumerate(spec.words()):
-        m[base + SPEC + i] = int(v) if v is not None else 0
-    m[base + SPECSEQ] = seq
+    with _PUBLISH:
+        m[base + SPECEND] = seq
+        for i, v in enumerate(spec.words()):
+            m[base + SPEC + i] = int(v) if v is not None else 0
+        m[base + SPECSEQ] = seq
 
 
 def poison_index(slot):

@@ -168,7 +168,7 @@ class CrossHostCheck:
             if wr == me:
                 w = int(p.m[b + AT_POISON])
                 if not w or (agr.poison_fields(w)[1] == me and agr.poison_fields(w)[0] <= disp.raised):
-                    p.m[b + AT_POISON] = word
+                    p.cas(me, b + AT_POISON, w, word)   # (a member's report that came meanwhile stays)
             else:
                 p.put_if_zero(wr, agr.poison_index(disp.slots[j]), word)
 

@@ -10,6 +10,7 @@ yields "unknown" instead of a hang.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 
@@ -50,11 +51,15 @@ ROWS = 256         # groups published per rank (the last row is a shared, unpubl
 # The agreement check's words: POISON, written by peers (RMA put), says that a rank found
 # a disagreement or refused call (its sequence number << 24 | that world rank + 1);
 # SPECSEQ and the SPEC words describe this rank's call of that sequence number (the
-# watchdog publishes them when a call waits, or when a peer's report asks for them).
+# watchdog publishes them when a call waits, or when a peer's report asks for them);
+# SPECEND repeats SPECSEQ after them: written first, SPECSEQ last, so that a reader (which
+# copies the row in order) takes the words only where the two agree (a seqlock: never half
+# of one call's description and half of another's).
 (GHASH, ENTERED, DONE, TDONE, RAISED, MEMBERS, POISON, SPECSEQ) = range(8)
 SPEC = 8
 SPEC_N = 7
-REPORTED = SPEC + SPEC_N   # the last call this rank raised a disagreement or refusal for
+SPECEND = SPEC + SPEC_N
+REPORTED = SPECEND + 1     # the last call this rank raised a disagreement or refusal for
 # The group's history of calls, for the comparison across hosts at any call rate: HIST is a
 # running hash of every call's ring word since the call EPOCH (the call in which this rank
 # last raised a disagreement or refusal: there it starts again from 0, at the same call on
@@ -154,6 +159,7 @@ class Progress:
         self._next = 0                   # rows handed out so far
         self._free = []                  # rows of destroyed groups
         self._late = []                  # (request, buffer) of RMA reads not answered in time
+        self.lock = threading.Lock()     # the atomic word operations where there is no RMA window
         self.win = None
         self.comm = None
         try:
@@ -252,25 +258,46 @@ class Progress:
         except Exception:
             return
 
-    def put_if_zero(self, rank, index, value):
-        """Write ``value`` at word ``index`` of world ``rank``'s window where that word is 0
-        (an RMA compare-and-swap; without one, a read and then a put)."""
-        if rank == self.wrank:
-            if not self.m[index]:
-                self.m[index] = value
-            return
+    def cas(self, rank, index, expected, new):
+        """Compare-and-swap of word ``index`` of world ``rank``'s window (this rank's own
+        too): it becomes ``new`` where it holds ``expected``. Returns the value it held (None
+        where a peer's window cannot be reached). Every writer of a word that more than one
+        thread or process writes (POISON) goes through this or ``swap``: MPI's atomics, alike
+        for a peer's window and this rank's own, so that no store is lost between a read and
+        a write (without RMA: this process's lock, over its private table)."""
+        return self._atomic(rank, index, new, expected)
+
+    def swap(self, rank, index, value):
+        """Atomically store ``value`` at word ``index`` of world ``rank``'s window (MPI
+        Fetch_and_op with REPLACE); returns the value it held (None where it cannot be reached)."""
+        return self._atomic(rank, index, value, None)
+
+    def _atomic(self, rank, index, value, expected):
         if self.win is None:
-            return
+            if rank != self.wrank:
+                return None
+            with self.lock:
+                old = int(self.m[index])
+                if expected is None or old == expected:
+                    self.m[index] = value
+                return old
         from mpi4py import MPI
 
-        new, zero, old = (np.array([v], np.int64) for v in (value, 0, 0))
+        new, old = np.array([value], np.int64), np.zeros(1, np.int64)
         try:
-            self.win.Compare_and_swap([new, MPI.INT64_T], [zero, MPI.INT64_T], [old, MPI.INT64_T], rank, index)
-            self.win.Flush(rank)
+            if expected is None:
+                self.win.Fetch_and_op([new, MPI.INT64_T], [old, MPI.INT64_T], rank, index, MPI.REPLACE)
+            else:
+                cmp = np.array([expected], np.int64)
+                self.win.Compare_and_swap([new, MPI.INT64_T], [cmp, MPI.INT64_T], [old, MPI.INT64_T], rank, index)
+            self.win.Flush(rank)   # done (there) before this rank goes on
         except Exception:
-            w = self.read_words(rank, index, 1)
-            if w is not None and not w[0]:
-                self.put_words(rank, index, [value])
+            return None
+        return int(old[0])
+
+    def put_if_zero(self, rank, index, value):
+        """Write ``value`` at word ``index`` of world ``rank``'s window where that word is 0."""
+        self.cas(rank, index, 0, value)
 
     def read_words(self, rank, index, n):
         """``n`` int64 words at ``index`` of world ``rank``'s window (a copy), or None when it

@@ -12,7 +12,7 @@ import numpy as np
 from ..smoke import make_data
 from .cases import rotate
 from .report import bucket_header, bucket_row, bucket_summary
-from .timing import bandwidths
+from .timing import TRIAL_TENSORS, bandwidths, trial
 
 SHAPES_FILE = "resnet50_grad_shapes.txt"
 SHAPES_ENV = "MPICOMM_GRAD_SHAPES"  # a path to a shapes file
@@ -164,6 +164,8 @@ def run_buckets(b, progress, out):
     a, n = b.args, b.n
     path = find_shapes_file(a.shapes)
     shapes = read_shapes(path)
+    if trial():
+        shapes = shapes[:TRIAL_TENSORS]
     sizes = [int(np.prod(s)) for s in shapes]
     total = sum(sizes)
     nbytes = total * 4

@@ -20,7 +20,7 @@ from .arrays import ARRAYS, CupyFamily, NumpyFamily, TorchFamily, check_importab
 from .buckets import SHAPES_FILE, find_shapes_file, run_buckets
 from .cases import Case, CaseV, counts_for
 from .raw import RawMPI, RawNCCL
-from .timing import CHUNKED, COLLS, REDUCING, ROOTED, VCOLLS, Clock, variant
+from .timing import CHUNKED, COLLS, REDUCING, ROOTED, TRIAL_ENV, TRIAL_MAX_BYTES, VCOLLS, Clock, trial, variant
 
 PERCALL_COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # nccl-tests' type names, and the names -d accepts for each dtype
@@ -33,7 +33,7 @@ DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32
 OPS = ("sum", "prod", "min", "max", "avg")
 # (sweep, --percall) defaults of the options whose default depends on the mode
 MODE_DEFAULTS = {"iters": (20, 20000), "warmup": (5, 1000), "rounds": (4, 10), "stat": ("mean", "median")}
-ENV_SHOWN = ("MPICOMM_BACKEND", "MPICOMM_DEBUG", "MPICOMM_SHM_THRESHOLD", "MPICOMM_SHM_PIECE")
+ENV_SHOWN = ("MPICOMM_BACKEND", "MPICOMM_DEBUG", "MPICOMM_SHM_THRESHOLD", "MPICOMM_SHM_PIECE", "MPICOMM_BENCH_TRIAL")
 
 
 # ---------------------------------------------------------------- sizes
@@ -80,7 +80,9 @@ def percall_size(coll, minbytes, itemsize, n):
 def _parser():
     p = argparse.ArgumentParser(
         prog="mpicomm-bench",
-        description="nccl-tests style benchmark of mpicomm's collectives (run under mpirun).")
+        description="nccl-tests style benchmark of mpicomm's collectives (run under mpirun).",
+        epilog=f"{TRIAL_ENV}=1: a trial run (sizes up to 64 KiB, one round, at most 3 iterations) that "
+               "shows a command works, not what it measures.")
     p.add_argument("-b", "--minbytes", default="8", help="smallest size in bytes (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", default="32M", help="largest size in bytes (default 32M)")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size factor between steps (default 2)")
@@ -210,6 +212,13 @@ def _validate(args):
     args.min_b = parse_size(args.minbytes)
     args.max_b = parse_size(args.maxbytes)
     step = parse_size(args.stepbytes) if args.stepbytes is not None else None
+    if trial():
+        args.max_b = min(args.max_b, TRIAL_MAX_BYTES)
+        args.min_b = min(args.min_b, args.max_b)
+        args.rounds = 1
+        args.target_time = min(args.target_time, 0.01)
+        args.iters = min(args.iters, 3)
+        args.warmup = min(args.warmup, 1)
     args.sizes = size_steps(args.min_b, args.max_b, args.stepfactor, step)
 
 
@@ -430,6 +439,9 @@ def _preamble(b, infos):
     env = [f"{k}={os.environ[k]}" for k in ENV_SHOWN if k in os.environ]
     if env:
         lines.append("# " + " ".join(env))
+    if trial():
+        lines.append(f"# a trial run ({TRIAL_ENV}=1): sizes up to {TRIAL_MAX_BYTES} bytes, one round, "
+                     "at most 3 iterations: it shows the command works, not what it measures")
     lines.append("#")
     for r, (host, pid, dev) in enumerate(infos):
         lines.append(f"#  Rank {r:2d} Pid {pid:7d} on {host:>12s}" + (f" device {dev}" if dev is not None else ""))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import numpy as np
@@ -16,6 +17,19 @@ REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 # about count to each rank)
 CHUNKED = ("all_gather", "reduce_scatter", "all_to_all", "all_gatherv", "all_to_allv", "gather", "scatter")
 MIB = 1 << 20
+
+
+# MPICOMM_BENCH_TRIAL=1: a trial run that shows a command works, not what it measures (sizes
+# up to 64 KiB, the first 16 tensors of the gradient set, one round, at most 3 iterations);
+# the table's header says so. The test suite runs the documented commands this way.
+TRIAL_ENV = "MPICOMM_BENCH_TRIAL"
+TRIAL_MAX_BYTES = 64 * 1024
+TRIAL_TENSORS = 16
+
+
+def trial():
+    """Whether this is a trial run (MPICOMM_BENCH_TRIAL set and not 0)."""
+    return os.environ.get(TRIAL_ENV, "0") not in ("", "0")
 
 
 def bus_factor(coll, n):

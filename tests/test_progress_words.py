@@ -1,0 +1,147 @@
+"""The progress window's words that more than one writer touches: the POISON word goes
+through compare-and-swap and atomic swap (mpicomm._reliability.progress.Progress.cas/swap),
+a call's description (SPEC) through a seqlock (SPECSEQ ... SPECEND). Real windows, real
+ranks: the peers' RMA atomics and this rank's two threads race on one word here."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from mpicomm._reliability import agreement as agr
+from mpicomm._reliability.progress import ENTERED, SPEC, SPEC_N, SPECEND, SPECSEQ, Progress
+
+N_ADDS = 300
+
+
+class Group:
+    def __init__(self, name):
+        self.name, self.ranks = name, [0]
+
+
+class Spec:
+    def __init__(self, words):
+        self._w = list(words)
+
+    def words(self):
+        return self._w
+
+
+def _add_by_cas(p, rank, index, n, counts):
+    """``n`` increments of the word by compare-and-swap loops; counts[0] += the retries."""
+    for _ in range(n):
+        while True:
+            old = p.read_words(rank, index, 1)
+            if old is None:
+                raise AssertionError(f"rank {rank}'s window did not answer")
+            if p.cas(rank, index, int(old[0]), int(old[0]) + 1) == int(old[0]):
+                break
+            counts[0] += 1
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_compare_and_swap_loses_no_store_between_ranks_and_threads():
+    """Every rank adds to one word of rank 0's window by compare-and-swap, rank 0 from two
+    threads at once: the word ends at exactly the number of adds (a read followed by a
+    plain store loses some of them)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    p = Progress(comm, rank)
+    try:
+        if p.win is None:
+            pytest.fail("no RMA window on this MPI: the atomics cannot be tested")
+        row = p.add(Group("atomics"))
+        index = row - ENTERED + SPECSEQ   # any word of the row (0 here, alike on every rank)
+        comm.Barrier()
+        counts = [0]
+        rng = np.random.default_rng(1234 + rank)
+        mine = N_ADDS + int(rng.integers(0, 50))
+        extra = None
+        if rank == 0:
+            extra = threading.Thread(target=_add_by_cas, args=(p, 0, index, N_ADDS, counts))
+            extra.start()
+        _add_by_cas(p, 0, index, mine, counts)
+        if extra is not None:
+            extra.join()
+        expected = comm.allreduce(mine) + N_ADDS
+        comm.Barrier()
+        got = p.read_words(0, index, 1)
+        # a compare that does not match changes nothing and returns what is there
+        comm.Barrier()
+        no_match = p.cas(0, index, expected + 1, -5) if rank == n - 1 else None
+        comm.Barrier()
+        after = p.read_words(0, index, 1)
+        comm.Barrier()
+        # swap stores whatever is there and returns the old value, from every rank in turn
+        swapped = None
+        for r in range(n):
+            if rank == r:
+                swapped = p.swap(0, index, 1000 + r)
+            comm.Barrier()
+        last = p.read_words(0, index, 1)
+        # (every rank reaches every barrier, whatever it read: the assertions come after)
+        assert got is not None and int(got[0]) == expected, (got, expected)
+        assert no_match in ((expected,) if rank == n - 1 else (None,))
+        assert int(after[0]) == expected
+        assert swapped == (expected if rank == 0 else 1000 + rank - 1)
+        assert int(last[0]) == 1000 + n - 1
+    finally:
+        comm.Barrier()
+        p.close(True)
+
+
+def test_atomics_without_a_window_use_the_lock():
+    """Without RMA (a private table): this rank's own word still loses no store between
+    threads; a peer's word cannot be reached (None)."""
+    p = Progress.__new__(Progress)
+    p.win, p.wrank, p.lock = None, 0, threading.Lock()
+    p.m = memoryview(bytearray(64)).cast("q")
+    for i in range(8):
+        p.m[i] = 0
+    counts = [0]
+
+    def own(n):
+        for _ in range(n):
+            while True:
+                old = int(p.m[3])
+                if p.cas(0, 3, old, old + 1) == old:
+                    break
+                counts[0] += 1
+
+    ts = [threading.Thread(target=own, args=(2000,)) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert p.m[3] == 8000
+    assert p.cas(1, 3, 8000, 0) is None and p.swap(1, 3, 5) is None and p.m[3] == 8000
+    assert p.swap(0, 3, 42) == 8000 and p.m[3] == 42
+
+
+def test_a_description_copied_while_it_is_written_is_not_taken():
+    """spec_words takes a row's description only where SPECSEQ and SPECEND agree: a copy
+    taken halfway through publish_spec (SPECEND already the new call's) is refused, and so
+    is one of another call."""
+    rng = np.random.default_rng(7)
+    m = memoryview(bytearray(8 * 64)).cast("q")
+    for i in range(64):
+        m[i] = 0
+    b = ENTERED
+    old = [int(v) for v in rng.integers(1, 1 << 40, SPEC_N)]
+    new = [int(v) for v in rng.integers(1, 1 << 40, SPEC_N)]
+    agr.publish_spec(m, b, 5, Spec(old))
+    row = np.frombuffer(m, np.int64).copy()
+    assert list(agr.spec_words(row, 5)) == old
+    assert agr.spec_words(row, 6) is None
+    # halfway through publishing call 6: SPECEND says 6, SPECSEQ still 5, words mixed
+    half = row.copy()
+    half[SPECEND] = 6
+    half[SPEC:SPEC + 3] = new[:3]
+    assert agr.spec_words(half, 5) is None and agr.spec_words(half, 6) is None
+    agr.publish_spec(m, b, 6, Spec(new))
+    row = np.frombuffer(m, np.int64).copy()
+    assert list(agr.spec_words(row, 6)) == new and agr.spec_words(row, 5) is None
