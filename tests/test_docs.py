@@ -209,3 +209,72 @@ def test_ci_runs_the_readme_test_command_word_for_word():
     assert test_cmd in ci, (test_cmd, ci)
     # and before any other test stage: the README's command comes first
     assert ci.index(test_cmd) < min(i for i, ln in enumerate(ci) if "test.sh" in ln and ln != test_cmd)
+
+
+# The documents as a newcomer reads them (issue 35): no clock times or session residue, every doc
+# linked from the README, one way to install, BENCHMARKS.md a results page.
+
+def _read(doc):
+    return open(os.path.join(ROOT, doc), encoding="utf-8").read()
+
+
+def test_no_clock_times_in_the_documents():
+    """Dates say when a figure was measured; a time of day ("18:26 UTC", "(08:24)") is a session's
+    residue. The same pattern as ``grep -E '[0-9]{2}:[0-9]{2}' docs/*.md README.md``."""
+    found = [f"{doc}:{n}: {line.strip()}" for doc in DOCS
+             for n, line in enumerate(_read(doc).splitlines(), 1) if re.search(r"[0-9]{2}:[0-9]{2}", line)]
+    assert not found, "\n".join(found)
+
+
+def test_no_session_residue_in_the_documents():
+    """History belongs in commits: the documents say what works, how to run it and what it measured."""
+    residue = re.compile(r"rows4|a third 4 x H200|the current code|the current defaults|we measured|not measured on 4 GPUs yet",
+                         re.I)
+    found = [f"{doc}:{n}: {line.strip()}" for doc in DOCS
+             for n, line in enumerate(_read(doc).splitlines(), 1) if residue.search(line)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("doc,limit", [("docs/BENCHMARKS.md", 450), ("docs/RELIABILITY.md", 535)])
+def test_document_length(doc, limit):
+    """BENCHMARKS.md is a results page (each figure once, with machine, date and command), not a log."""
+    n = len(_read(doc).splitlines())
+    assert n <= limit, f"{doc} has {n} lines, more than {limit}"
+
+
+def test_readme_links_every_doc_and_names_whom_it_is_for():
+    readme = _read("README.md")
+    for doc in DOCS[1:]:
+        assert f"]({doc})" in readme or f"]({doc}#" in readme, f"README.md does not link {doc}"
+    first_screen = readme.split("## Install", 1)[0]
+    for name in ("MindSpore", "OneFlow", "Paddle", "PyTorch", "MPI"):
+        assert name in first_screen, f"README's first screen does not name {name}"
+    layout = readme.split("## Layout", 1)[1]
+    line = next(ln for ln in layout.splitlines() if ln.startswith("docs/"))
+    for doc in DOCS[1:]:
+        assert os.path.basename(doc)[:-3] in line, f"README's layout leaves {doc} out: {line}"
+
+
+def test_install_comes_first_and_once_from_the_source_tree():
+    """Installation is explained before an example uses it, from the source tree; no document
+    installs ``mpicomm[...]`` as if from a package index."""
+    readme = _read("README.md")
+    assert readme.index("## Install") < readme.index("## Quick start") < readme.index("hello.py")
+    for doc in DOCS:
+        assert not re.search(r"pip install ['\"]?mpicomm\[", _read(doc)), f"{doc}: pip install mpicomm[...]"
+    extras = re.search(r"\[options\.extras_require\]\n(.*?)\n\[", open(os.path.join(ROOT, "setup.cfg")).read(), re.S)
+    names = re.findall(r"^(\w+) =", extras.group(1), re.M)
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    for name in names:
+        assert f"`{name}`" in install or f"[{name}]" in install, f"README's Install does not name the {name} extra"
+
+
+def test_python_version_agrees_with_setup_cfg():
+    required = re.search(r"python_requires\s*=\s*>=\s*([0-9.]+)", open(os.path.join(ROOT, "setup.cfg")).read()).group(1)
+    assert f"Python >= {required}" in _read("README.md")
+
+
+def test_readme_gpu_section_shows_the_per_rank_device_line():
+    gpu = _read("README.md").split("## GPU notes", 1)[1].split("\n## ", 1)[0]
+    assert "torch.cuda.set_device(mpicomm.get_local_rank())" in gpu
+    assert "cupy.cuda.Device(mpicomm.get_local_rank()).use()" in gpu
