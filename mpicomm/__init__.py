@@ -30,7 +30,7 @@ _LAZY = {
     "set_auto_parallel_context": "training.context", "get_auto_parallel_context": "training.context",
     "reset_auto_parallel_context": "training.context",
     "ParallelMode": "training.context", "GlobalComm": "training.context",
-    "DistributedSampler": "training.sampler",
+    "DistributedSampler": "training.sampler", "DistributedBatchSampler": "training.sampler",
 }
 
 

@@ -64,13 +64,13 @@ def _global_batches(n_samples, epoch, batch, seed, drop_last):
     return [order[i:i + batch] for i in range(0, stop, batch)]
 
 
-def _mlp_reference(mod, n, epochs, local_batch, seed, make_opt, drop_last, x, y):
+def _mlp_reference(mod, n, epochs, local_batch, seed, make_opt, drop_last, x, y, batches=None):
     torch = require_module("torch", TORCH)
     params = [torch.tensor(p, requires_grad=True) for p in mod.init_params(seed)]  # rank 0's draw
     opt = make_opt(torch, params)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for epoch in range(epochs):
-        for s in _global_batches(len(x), epoch, local_batch * n, seed, drop_last):
+        for s in (batches or _global_batches)(len(x), epoch, local_batch * n, seed, drop_last):
             s = torch.from_numpy(s)
             w1, b1, w2, b2 = params
             logits = torch.relu(xt[s] @ w1 + b1) @ w2 + b2
@@ -87,10 +87,25 @@ def mindspore_reference(mod, n, epochs=2, batch=8, lr=0.1, seed=0):
                           False, x, y)
 
 
+def _paddle_global_batches(n_samples, epoch, batch, n):
+    """Paddle's DistributedBatchSampler(shuffle=True, drop_last=True) over n ranks, as one
+    process sees it: 0..N-1 padded from its start to a multiple of n, shuffled by
+    numpy.random.RandomState(epoch), cut into rounds of batch * n (each rank's batch is a
+    block of one round); the short last round gives each rank less than a batch: dropped."""
+    order = list(range(n_samples))
+    order += order[:-(-n_samples // n) * n - n_samples]
+    np.random.RandomState(epoch).shuffle(order)
+    g = batch * n
+    return [np.array(order[i:i + g]) for i in range(0, len(order) - g + 1, g)]
+
+
 def paddle_reference(mod, n, epochs=2, batch=8, lr=0.01, seed=0):
     (x, y), _ = mod.create_datasets(seed)
+    batches = lambda n_samples, epoch, global_batch, seed, drop_last: \
+        _paddle_global_batches(n_samples, epoch, global_batch // n, n)
     return _mlp_reference(mod, n, epochs, batch, seed,
-                          lambda torch, ps: torch.optim.Adam(ps, lr, betas=(0.9, 0.999), eps=1e-8), True, x, y)
+                          lambda torch, ps: torch.optim.Adam(ps, lr, betas=(0.9, 0.999), eps=1e-8), True, x, y,
+                          batches=batches)
 
 
 def oneflow_reference(mod, n, iters=30, seed=0):

@@ -9,8 +9,8 @@
   :func:`broadcast_parameters`).
 - :mod:`~mpicomm.training.context`: the auto-parallel context, MindSpore's process-wide
   data-parallel settings (:func:`set_auto_parallel_context` and its get and reset).
-- :mod:`~mpicomm.training.sampler`: :class:`DistributedSampler`, each rank's share of a
-  data set's indices.
+- :mod:`~mpicomm.training.sampler`: :class:`DistributedSampler` (MindSpore's) and
+  :class:`DistributedBatchSampler` (Paddle's), each rank's share of a data set's indices.
 
 The same names are reachable as ``mpicomm.DistributedGradReducer`` and so on; ``import
 mpicomm`` loads this package only when one of them is first used.
@@ -18,8 +18,8 @@ mpicomm`` loads this package only when one of them is first used.
 from .fused import all_reduce_coalesced, broadcast_parameters
 from .reducer import DistributedGradReducer
 from .context import get_auto_parallel_context, reset_auto_parallel_context, set_auto_parallel_context
-from .sampler import DistributedSampler
+from .sampler import DistributedBatchSampler, DistributedSampler
 
 __all__ = ["DistributedGradReducer", "all_reduce_coalesced", "broadcast_parameters",
            "set_auto_parallel_context", "get_auto_parallel_context", "reset_auto_parallel_context",
-           "DistributedSampler"]
+           "DistributedSampler", "DistributedBatchSampler"]
