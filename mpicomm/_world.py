@@ -38,7 +38,7 @@ def _pick_backend(backend: Any) -> str:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, debug: bool | None = None,
-         abort_on_exception: bool = True, check: bool | None = None) -> None:
+         abort_on_exception: bool = True, check: bool | None = None, backend_name: str | None = None) -> None:
     """Initialise mpicomm: MPI, the world group and the backend.
 
     backend: "mpi", "nccl" or None (NCCL where CuPy sees a GPU, else MPI; the
@@ -50,6 +50,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
     check: the agreement check of every call's signature across ranks (default
         MPICOMM_CHECK, else on; docs/RELIABILITY.md says what it catches, what it costs
         and its limits).
+
+    backend_name: MindSpore's keyword for ``backend`` (``init(backend_name="nccl")``): the
+        same names, and the same refusal of "hccl" (Ascend) and "mccl" saying what to use.
 
     MPICOMM_TIMING sets the other waits of the reliability machinery (``field=seconds``
     entries separated by commas; docs/RELIABILITY.md, "Timing values"); a bad entry raises
@@ -73,7 +76,16 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         check = env_bool("MPICOMM_CHECK", True)
     if not isinstance(check, bool):
         raise invalid("check", check, "True or False")
-    name = _pick_backend(backend)
+    if backend_name is not None:
+        if backend is not None and backend != backend_name:
+            raise invalid("backend_name", backend_name, f"the same as backend={backend!r}, or only one of the "
+                          "two (backend_name is MindSpore's name for backend)")
+        try:
+            name = _pick_backend(backend_name)
+        except InvalidArgumentError as e:   # named as the caller wrote it
+            raise InvalidArgumentError(str(e).replace("invalid backend=", "invalid backend_name=", 1)) from None
+    else:
+        name = _pick_backend(backend)
     key = (name, float(timeout), bool(debug), bool(abort_on_exception), check)
     if CTX.initialized:
         if key == CTX.init_key:

@@ -251,6 +251,34 @@ def test_init_hccl_is_refused_saying_what_to_use():
         mpicomm.init("mccl")
 
 
+def test_init_takes_mindspores_backend_name_keyword():
+    """MindSpore's init(backend_name=...): the same names and refusals, named as written;
+    refused before MPI starts, on every rank alike."""
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='hccl'.*'mpi', 'nccl'.*Ascend"):
+        mpicomm.init(backend_name="hccl")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='mccl'.*CPU collective library.*'mpi'"):
+        mpicomm.init(backend_name="mccl")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='gloo'.*one of 'mpi', 'nccl'"):
+        mpicomm.init(backend_name="gloo")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='nccl'.*the same as backend='mpi'"):
+        mpicomm.init("mpi", backend_name="nccl")
+    assert "backend_name" in inspect.signature(mpicomm.init).parameters
+
+
+@pytest.mark.mpi
+def test_init_backend_name_is_the_backend(comm):
+    """Called again with backend_name= naming the backend in use: nothing happens, as for
+    init(backend) with the same arguments."""
+    from mpicomm._state import CTX
+
+    name, timeout, debug, abort, check = CTX.init_key
+    mpicomm.init(backend_name=name.upper(), timeout=timeout, debug=debug, abort_on_exception=abort, check=check)
+    assert mpicomm.get_backend() == name
+    other = "nccl" if name == "mpi" else "mpi"
+    with pytest.raises(InvalidArgumentError, match=rf"invalid init arguments=.*'backend': '{other}'"):
+        mpicomm.init(backend_name=other, timeout=timeout, debug=debug, abort_on_exception=abort, check=check)
+
+
 @pytest.mark.parametrize("name", ["nccl", "NCCL", "Mpi"])   # (an id "mpi" reads as the marker)
 def test_init_takes_the_gpu_tutorials_name(name):
     from mpicomm._world import _pick_backend
@@ -276,8 +304,18 @@ def test_what_mpicomm_does_anyway_warns(key, says):
     with pytest.warns(UserWarning, match=rf"{key}=False\) is not stored.*{says}"):
         set_auto_parallel_context(gradients_mean=True, **{key: False})
     assert get_auto_parallel_context("gradients_mean") is True
-    with pytest.raises(InvalidArgumentError, match=rf"key='{key}'"):
-        get_auto_parallel_context(key)
+    assert get_auto_parallel_context(key) is False   # what mpicomm does, read back (seed 002 reads full_batch)
+
+
+def test_get_full_batch_reads_false_and_unknown_keys_still_raise():
+    """MindSpore's guide calls get_auto_parallel_context("full_batch"): False (each rank
+    reads its own shard), as enable_parallel_optimizer; the auto-parallel keys that have no
+    value here, and unknown keys, still raise, listing the keys that can be read."""
+    assert get_auto_parallel_context("full_batch") is False
+    assert get_auto_parallel_context("enable_parallel_optimizer") is False
+    for key in ("strategy_ckpt_load_file", "no_such_key", 3):
+        with pytest.raises(InvalidArgumentError, match=r"invalid key=.*one of .*full_batch.*gradients_mean"):
+            get_auto_parallel_context(key)
 
 
 def test_device_num_and_global_rank_before_init_are_kept():
@@ -324,6 +362,37 @@ def test_parameter_broadcast_gives_every_rank_rank_0s_parameters(comm):
 
 
 @pytest.mark.mpi
+def test_parameter_broadcast_without_a_reducer_warns_at_the_first_allreduce(comm):
+    """MindSpore broadcasts rank 0's parameters at the start of training; mpicomm does it
+    where it is given the parameters. A loop with AllReduce and no reducer is told, once,
+    on rank 0, at its first mpicomm.ops.AllReduce call; the sum is unchanged."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    each = [np.random.default_rng([5, q]).standard_normal(6) for q in range(n)]
+    set_auto_parallel_context(parameter_broadcast=True)
+    allreduce = mpicomm.ops.AllReduce()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = allreduce(each[r])
+        allreduce(each[r])
+    np.testing.assert_allclose(got, sum(each), rtol=1e-12)
+    said = [str(x.message) for x in w if "parameter_broadcast=True" in str(x.message)]
+    if r == 0:
+        assert len(said) == 1 and "mpicomm.broadcast_parameters(params)" in said[0], said
+    else:
+        assert said == []
+    # broadcast first (what the warning asks for): no word
+    reset_auto_parallel_context()
+    set_auto_parallel_context(parameter_broadcast=True)
+    params = [np.random.default_rng([6, r]).standard_normal(3)]
+    mpicomm.broadcast_parameters(params)
+    np.testing.assert_array_equal(params[0], np.random.default_rng([6, 0]).standard_normal(3))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        allreduce(each[r])
+    assert not [x for x in w if "parameter_broadcast" in str(x.message)]
+
+
+@pytest.mark.mpi
 def test_parameter_broadcast_with_torch_parameters(comm):
     torch = require_module("torch", TORCH)
     r = comm.get_rank()
@@ -342,10 +411,25 @@ def test_all_reduce_fusion_config_plans_the_buckets(comm):
 
 
 @pytest.mark.mpi
+def test_gradient_fp32_sync_default_is_what_get_says(comm):
+    """MindSpore's default gradient_fp32_sync=True: get_ says True and the reducer does it:
+    half-precision gradients averaged in float32 (no division in float16 first)."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    assert get_auto_parallel_context("gradient_fp32_sync") is True
+    shape = (257,)
+    red = comm.DistributedGradReducer([np.zeros(shape, np.float16)], mean=True)
+    assert red.fp32_sync is True
+    each = [np.random.default_rng([11, q]).standard_normal(shape).astype(np.float16) for q in range(n)]
+    got = red([each[r].copy()])[0]
+    assert got.dtype == np.float16
+    exact = sum(e.astype(np.float64) for e in each) / n
+    # summed and divided in float32, rounded to float16 once: within one float16 rounding
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=2.0 ** -11, atol=2.0 ** -25)
+
+
+@pytest.mark.mpi
 def test_gradient_fp32_sync_where_set(comm):
     params = [np.zeros(4, np.float16)]
-    assert get_auto_parallel_context("gradient_fp32_sync") is True     # MindSpore's default, read back
-    assert comm.DistributedGradReducer(params).fp32_sync is False      # ...but applied only where set
     set_auto_parallel_context(gradient_fp32_sync=True)
     red = comm.DistributedGradReducer(params)
     assert red.fp32_sync is True

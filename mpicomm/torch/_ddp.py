@@ -157,7 +157,8 @@ class DistributedDataParallel(nn.Module):
             if every:
                 broadcast_parameters(every, root=0, group=group)
         self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
-                                              fusion_config=fusion_config, compression=compression, group=group)
+                                              fusion_config=fusion_config, compression=compression, group=group,
+                                              fp32_sync=False)   # (PyTorch's DDP: in the gradients' dtype)
         # big gradients reduced from where autograd leaves them, not copied into the buckets
         # first (the same calls on every rank: the plan decides them)
         self.reducer.direct_overlap = True

@@ -96,7 +96,7 @@ class DistributedGradReducer:
         (None: the context's all_reduce_fusion_config when set, else the cap).
     compression: "fp16" or "bf16" sends float32 gradients in half precision.
     fp32_sync: reduce float16/bfloat16 gradients in float32 (None: the context's
-        gradient_fp32_sync where set_auto_parallel_context set it, else False).
+        gradient_fp32_sync, True by default as in MindSpore).
     group: the group to reduce over (None: the world).
 
     Raises InvalidArgumentError naming the argument, the value and what is allowed,
@@ -132,8 +132,8 @@ class DistributedGradReducer:
             if compression not in COMPRESSIONS:
                 raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
             if not isinstance(fp32_sync, (bool, np.bool_)):
-                raise invalid("fp32_sync", fp32_sync, "True or False (None: the context's gradient_fp32_sync "
-                              "where it was set, else False)")
+                raise invalid("fp32_sync", fp32_sync, "True or False (None: the context's gradient_fp32_sync, "
+                              "True by default)")
             group_launch = env_bool("MPICOMM_BUCKET_GROUP", True)
             plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
             sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
