@@ -15,7 +15,7 @@ from ._reliability import Reliability
 from ._reliability.progress import ghash
 from ._reliability.init_guard import InitGuard, StartGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
-from ._topology import gpu_count, local_comm
+from ._topology import CUPY_INSTALL, gpu_count, gpu_seen, local_comm, no_nccl_reason
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
@@ -112,6 +112,24 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check)
     finally:
         guard.done()
+    if name == "mpi" and backend is None and backend_name is None and CTX.local_rank == 0 \
+            and not os.environ.get("MPICOMM_BACKEND", "").strip():
+        _say_gpu_without_nccl()
+
+
+def _say_gpu_without_nccl() -> None:
+    """Each host's first rank, where the MPI backend was chosen for want of CuPy although
+    the host has a GPU: say so once, with the install line (GPU arrays then go through host
+    memory, an order of magnitude slower than NCCL)."""
+    why = gpu_seen()
+    if why is None:
+        return
+    import warnings
+
+    warnings.warn(f"mpicomm: this host has a GPU ({why}) but {no_nccl_reason()}, so init() chose the MPI "
+                  "backend: GPU arrays go through host memory, an order of magnitude slower than NCCL. "
+                  f"For NCCL: {CUPY_INSTALL}. To keep MPI and not see this: init('mpi') or MPICOMM_BACKEND=mpi",
+                  UserWarning, stacklevel=3)
 
 
 def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: bool, key: tuple,
