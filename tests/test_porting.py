@@ -202,6 +202,27 @@ def test_the_guide_shows_every_example():
         assert f"mpicomm-run -n 2 python scripts/{name}.py" in guide, name
 
 
+def test_the_guide_shows_what_every_gpu_and_checkpoint_user_needs():
+    """Each framework's per-rank device line, the DDP wrapper's module. prefix with the
+    lines that save and load without it, the helpers of tests/test_training_helpers.py,
+    the Slurm script, and each example's changed lines next to the tutorial's."""
+    guide = open(os.path.join(ROOT, "docs", "PORTING.md"), encoding="utf-8").read()
+    for line in ("torch.cuda.set_device(mpicomm.get_local_rank() % torch.cuda.device_count())",
+                 'paddle.set_device(f"gpu:{mpicomm.get_local_rank() % paddle.device.cuda.device_count()}")',
+                 "cupy.cuda.Device(mpicomm.get_local_rank() % cupy.cuda.runtime.getDeviceCount()).use()",
+                 "torch.save(m.module.state_dict(), path)", '{k.removeprefix("module."): v for k, v in sd.items()}',
+                 "mpicomm.average(loss.item())", "with grad_reducer.no_sync():",
+                 'mpicomm.save_on_rank0(model.state_dict(), "ckpt.pt", save=torch.save)',
+                 'mpicomm.load_on_rank0("ckpt.pt", load=torch.load)', "sbatch hostfiles/slurm_job.sh",
+                 "| the data-parallel tutorial | `scripts/port_mindspore.py` |",
+                 "| OneFlow's `ddp_train.py` | `scripts/port_oneflow_ddp.py` |",
+                 "| Paddle's fleet quick start | `scripts/port_paddle.py` |",
+                 "DistributedBatchSampler(cifar10_train, 32, shuffle=True, drop_last=True)",
+                 'init(backend_name="nccl")', 'get_auto_parallel_context("full_batch")'):
+        assert line in guide, line
+    assert os.path.exists(os.path.join(ROOT, "hostfiles", "slurm_job.sh"))
+
+
 # ---------------------------------------------------------------- MindSpore's names
 
 def test_parallel_mode_is_mindspores():
