@@ -26,11 +26,12 @@ __version__ = "0.1.0"
 # Data-parallel training helpers, imported on first use (mpicomm.DistributedGradReducer, ...).
 _LAZY = {
     "DistributedGradReducer": "training.reducer", "all_reduce_coalesced": "training.fused",
-    "broadcast_parameters": "training.fused",
+    "broadcast_parameters": "training.fused", "average": "training.averaging",
+    "save_on_rank0": "training.checkpoint", "load_on_rank0": "training.checkpoint",
     "set_auto_parallel_context": "training.context", "get_auto_parallel_context": "training.context",
     "reset_auto_parallel_context": "training.context",
     "ParallelMode": "training.context", "GlobalComm": "training.context",
-    "DistributedSampler": "training.sampler",
+    "DistributedSampler": "training.sampler", "DistributedBatchSampler": "training.sampler",
 }
 
 

@@ -4,6 +4,7 @@ the same name in mpicomm._collectives.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -38,6 +39,11 @@ class AllReduce(_Reducing):
     """``AllReduce(op=ReduceOp.SUM, group=None)(x)`` runs :func:`all_reduce`."""
 
     def __call__(self, x: ArrayLike) -> Any:
+        # (MindSpore's parameter_broadcast without a reducer: say that nothing was broadcast;
+        # the context module is loaded only where set_auto_parallel_context was used)
+        ctx = sys.modules.get("mpicomm.training.context")
+        if ctx is not None and ctx.broadcast_pending:
+            ctx.warn_unbroadcast("mpicomm.ops.AllReduce call")
         return all_reduce(x, self.op, group=self.group)
 
 

@@ -1,6 +1,15 @@
 """Node-local rank and size, and GPU selection from them."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
+# What a user runs to give mpicomm NCCL, as README installs it (from the source tree)
+CUPY_INSTALL = ("pip install '.[cuda12]' in mpicomm's source tree (CUDA 12 drivers; '.[cuda13]' for CUDA 13; "
+                "from a package index: pip install 'mpicomm[cuda12]'), or pip install cupy-cuda12x")
+
 
 def local_comm(comm):
     """Split ``comm`` into the ranks that share this host (MPI's shared-memory split)."""
@@ -27,3 +36,41 @@ def select_gpu(local_rank):
     dev = local_rank % n
     cupy.cuda.Device(dev).use()
     return dev
+
+
+def gpu_seen():
+    """Why this process looks as if it has an NVIDIA GPU, found without CuPy, or None.
+
+    In order: ``CUDA_VISIBLE_DEVICES`` non-empty (and not "-1" or "NoDevFiles"), PyTorch
+    (where the program imported it) seeing CUDA, ``nvidia-smi -L`` (found on PATH) listing
+    a GPU. Used where CuPy sees none, to say that NCCL is being left out.
+    """
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if cvd and cvd not in ("-1", "NoDevFiles"):
+        return f"CUDA_VISIBLE_DEVICES={cvd}"
+    torch = sys.modules.get("torch")   # (not imported here: that takes seconds)
+    if torch is not None:
+        try:
+            if torch.cuda.is_available():
+                return "torch.cuda.is_available() is True"
+        except Exception:  # noqa: BLE001 - a broken CUDA set-up is no GPU here
+            pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        first = next((ln.strip() for ln in out.stdout.splitlines() if ln.strip().startswith("GPU ")), None)
+        if out.returncode == 0 and first:
+            return f"nvidia-smi -L lists {first!r}"
+    return None
+
+
+def no_nccl_reason():
+    """Why CuPy cannot give NCCL here: not installed, or installed and seeing no GPU."""
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"CuPy cannot be imported ({type(e).__name__}: {e})"
+    return "CuPy is installed but sees no GPU (check its CUDA version against the driver's: nvidia-smi)"

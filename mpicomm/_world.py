@@ -15,7 +15,7 @@ from ._reliability import Reliability
 from ._reliability.progress import ghash
 from ._reliability.init_guard import InitGuard, StartGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
-from ._topology import gpu_count, local_comm
+from ._topology import CUPY_INSTALL, gpu_count, gpu_seen, local_comm, no_nccl_reason
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
@@ -38,7 +38,7 @@ def _pick_backend(backend: Any) -> str:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, debug: bool | None = None,
-         abort_on_exception: bool = True, check: bool | None = None) -> None:
+         abort_on_exception: bool = True, check: bool | None = None, backend_name: str | None = None) -> None:
     """Initialise mpicomm: MPI, the world group and the backend.
 
     backend: "mpi", "nccl" or None (NCCL where CuPy sees a GPU, else MPI; the
@@ -50,6 +50,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
     check: the agreement check of every call's signature across ranks (default
         MPICOMM_CHECK, else on; docs/RELIABILITY.md says what it catches, what it costs
         and its limits).
+
+    backend_name: MindSpore's keyword for ``backend`` (``init(backend_name="nccl")``): the
+        same names, and the same refusal of "hccl" (Ascend) and "mccl" saying what to use.
 
     MPICOMM_TIMING sets the other waits of the reliability machinery (``field=seconds``
     entries separated by commas; docs/RELIABILITY.md, "Timing values"); a bad entry raises
@@ -73,7 +76,16 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         check = env_bool("MPICOMM_CHECK", True)
     if not isinstance(check, bool):
         raise invalid("check", check, "True or False")
-    name = _pick_backend(backend)
+    if backend_name is not None:
+        if backend is not None and backend != backend_name:
+            raise invalid("backend_name", backend_name, f"the same as backend={backend!r}, or only one of the "
+                          "two (backend_name is MindSpore's name for backend)")
+        try:
+            name = _pick_backend(backend_name)
+        except InvalidArgumentError as e:   # named as the caller wrote it
+            raise InvalidArgumentError(str(e).replace("invalid backend=", "invalid backend_name=", 1)) from None
+    else:
+        name = _pick_backend(backend)
     key = (name, float(timeout), bool(debug), bool(abort_on_exception), check)
     if CTX.initialized:
         if key == CTX.init_key:
@@ -100,6 +112,24 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check)
     finally:
         guard.done()
+    if name == "mpi" and backend is None and backend_name is None and CTX.local_rank == 0 \
+            and not os.environ.get("MPICOMM_BACKEND", "").strip():
+        _say_gpu_without_nccl()
+
+
+def _say_gpu_without_nccl() -> None:
+    """Each host's first rank, where the MPI backend was chosen for want of CuPy although
+    the host has a GPU: say so once, with the install line (GPU arrays then go through host
+    memory, an order of magnitude slower than NCCL)."""
+    why = gpu_seen()
+    if why is None:
+        return
+    import warnings
+
+    warnings.warn(f"mpicomm: this host has a GPU ({why}) but {no_nccl_reason()}, so init() chose the MPI "
+                  "backend: GPU arrays go through host memory, an order of magnitude slower than NCCL. "
+                  f"For NCCL: {CUPY_INSTALL}. To keep MPI and not see this: init('mpi') or MPICOMM_BACKEND=mpi",
+                  UserWarning, stacklevel=3)
 
 
 def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: bool, key: tuple,

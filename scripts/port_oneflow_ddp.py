@@ -59,13 +59,16 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     mpicomm.init()               # OneFlow's launcher sets up its world; DDP would call init() too
-    m = Model(args.iters)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's "cuda"; the CPU where there is none
+    if device == "cuda":                                      # each rank its own GPU (OneFlow's launcher does it)
+        torch.cuda.set_device(mpicomm.get_local_rank() % torch.cuda.device_count())
+    m = Model(args.iters).to(device)                          # m = Model().to("cuda")
     m = ddp(m)                   # rank 0's parameters everywhere; gradients averaged during backward
     loss = torch.nn.MSELoss(reduction="sum")
     optimizer = torch.optim.SGD(m.parameters(), m.module.lr)  # m.lr: torch's DDP keeps the model in .module
 
     rank = mpicomm.get_rank()                                 # flow.env.get_rank()
-    x, y = rank_data(rank, args.seed)
+    x, y = (t.to(device) for t in rank_data(rank, args.seed))
     for i in range(0, m.module.iter_count):
         y_pred = m(x)
         l = loss(y_pred, y)  # noqa: E741 (the tutorial's name)
@@ -76,8 +79,8 @@ def main(argv=None):
         l.backward()
         optimizer.step()
 
-    print(f"\nrank {rank} w:{m.module.w.detach().numpy().ravel()}", flush=True)
-    w = m.module.w.detach().numpy().copy()
+    w = m.module.w.detach().cpu().numpy().copy()
+    print(f"\nrank {rank} w:{w.ravel()}", flush=True)
     if args.save and rank == 0:
         np.save(args.save, w)
     return w

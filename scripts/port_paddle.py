@@ -11,8 +11,8 @@ The tutorial's five steps, one for one:
                                                    DistributedGradReducer(params, mean=True)
                                                    fed during the backward pass
     opt = fleet.distributed_optimizer(opt)         the optimizer as it is
-    DistributedBatchSampler(ds, 32, shuffle=True,  DistributedSampler(len(ds), shuffle=True,
-                            drop_last=True)        drop_last=True), cut into batches of 32
+    DistributedBatchSampler(ds, 32, shuffle=True,  mpicomm.DistributedBatchSampler(ds, 32,
+                            drop_last=True)            shuffle=True, drop_last=True): Paddle's
 
 NumPy arrays stand in for Paddle tensors (PaddlePaddle is about 720 MB installed; the
 guide shows the same calls on Paddle tensors through DLPack). The network is MyNet's
@@ -35,7 +35,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import mpicomm
-from mpicomm import DistributedGradReducer, DistributedSampler, ReduceOp  # noqa: E402
+from mpicomm import DistributedBatchSampler, DistributedGradReducer, ReduceOp  # noqa: E402
 
 SIZES = (16, 64, 4)   # in_features, hidden, num_classes
 
@@ -137,26 +137,25 @@ def main(argv=None):
     opt = Adam(learning_rate=args.lr, parameters=params)         # fleet.distributed_optimizer(opt): as it is
 
     (xtr, ytr), (xva, yva) = create_datasets(args.seed)
-    train_sampler = DistributedSampler(len(xtr), shuffle=True, drop_last=True, seed=args.seed)
-    valid_sampler = DistributedSampler(len(xva), shuffle=False, drop_last=True)
     b = args.batch_size
+    train_sampler = DistributedBatchSampler(xtr, b, shuffle=True, drop_last=True)
+    valid_sampler = DistributedBatchSampler(xva, b)              # Paddle's defaults: in order, no drop
 
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
-        idx = train_sampler.indices()
-        for batch_id in range(len(idx) // b):                    # drop_last: no short batch
-            s = idx[batch_id * b:(batch_id + 1) * b]
+        for batch_id, s in enumerate(train_sampler):             # this rank's batches of indices
             loss = loss_backward(params, xtr[s], ytr[s], grads, ready=reducer.mark_ready)
             reducer.wait()                                       # grads: the mean over all ranks
             opt.step(grads)                                      # opt.step(); opt.clear_grad()
             if batch_id % args.log_every == 0 and rank == 0:
                 print("epoch: {}, batch_id: {}, loss is: {}".format(epoch, batch_id, loss), flush=True)
 
-        # validation: this rank's shard, then the counts and loss sums of all ranks
-        s = valid_sampler.indices()
-        logits, _ = forward(params, xva[s])
-        vloss, _ = cross_entropy(logits, yva[s])
-        tot = np.array([float((logits.argmax(axis=1) == yva[s]).sum()), vloss * len(s), len(s)])
+        # validation: this rank's batches, then the counts and loss sums of all ranks
+        tot = np.zeros(3)
+        for s in valid_sampler:
+            logits, _ = forward(params, xva[s])
+            vloss, _ = cross_entropy(logits, yva[s])
+            tot += [float((logits.argmax(axis=1) == yva[s]).sum()), vloss * len(s), len(s)]
         mpicomm.all_reduce(tot, ReduceOp.SUM, out=tot)
         if rank == 0:
             print("[validation] accuracy/loss: {}/{}".format(tot[0] / tot[2], tot[1] / tot[2]), flush=True)

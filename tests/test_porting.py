@@ -64,13 +64,13 @@ def _global_batches(n_samples, epoch, batch, seed, drop_last):
     return [order[i:i + batch] for i in range(0, stop, batch)]
 
 
-def _mlp_reference(mod, n, epochs, local_batch, seed, make_opt, drop_last, x, y):
+def _mlp_reference(mod, n, epochs, local_batch, seed, make_opt, drop_last, x, y, batches=None):
     torch = require_module("torch", TORCH)
     params = [torch.tensor(p, requires_grad=True) for p in mod.init_params(seed)]  # rank 0's draw
     opt = make_opt(torch, params)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for epoch in range(epochs):
-        for s in _global_batches(len(x), epoch, local_batch * n, seed, drop_last):
+        for s in (batches or _global_batches)(len(x), epoch, local_batch * n, seed, drop_last):
             s = torch.from_numpy(s)
             w1, b1, w2, b2 = params
             logits = torch.relu(xt[s] @ w1 + b1) @ w2 + b2
@@ -87,10 +87,25 @@ def mindspore_reference(mod, n, epochs=2, batch=8, lr=0.1, seed=0):
                           False, x, y)
 
 
+def _paddle_global_batches(n_samples, epoch, batch, n):
+    """Paddle's DistributedBatchSampler(shuffle=True, drop_last=True) over n ranks, as one
+    process sees it: 0..N-1 padded from its start to a multiple of n, shuffled by
+    numpy.random.RandomState(epoch), cut into rounds of batch * n (each rank's batch is a
+    block of one round); the short last round gives each rank less than a batch: dropped."""
+    order = list(range(n_samples))
+    order += order[:-(-n_samples // n) * n - n_samples]
+    np.random.RandomState(epoch).shuffle(order)
+    g = batch * n
+    return [np.array(order[i:i + g]) for i in range(0, len(order) - g + 1, g)]
+
+
 def paddle_reference(mod, n, epochs=2, batch=8, lr=0.01, seed=0):
     (x, y), _ = mod.create_datasets(seed)
+    batches = lambda n_samples, epoch, global_batch, seed, drop_last: \
+        _paddle_global_batches(n_samples, epoch, global_batch // n, n)
     return _mlp_reference(mod, n, epochs, batch, seed,
-                          lambda torch, ps: torch.optim.Adam(ps, lr, betas=(0.9, 0.999), eps=1e-8), True, x, y)
+                          lambda torch, ps: torch.optim.Adam(ps, lr, betas=(0.9, 0.999), eps=1e-8), True, x, y,
+                          batches=batches)
 
 
 def oneflow_reference(mod, n, iters=30, seed=0):
@@ -187,6 +202,27 @@ def test_the_guide_shows_every_example():
         assert f"mpicomm-run -n 2 python scripts/{name}.py" in guide, name
 
 
+def test_the_guide_shows_what_every_gpu_and_checkpoint_user_needs():
+    """Each framework's per-rank device line, the DDP wrapper's module. prefix with the
+    lines that save and load without it, the helpers of tests/test_training_helpers.py,
+    the Slurm script, and each example's changed lines next to the tutorial's."""
+    guide = open(os.path.join(ROOT, "docs", "PORTING.md"), encoding="utf-8").read()
+    for line in ("torch.cuda.set_device(mpicomm.get_local_rank() % torch.cuda.device_count())",
+                 'paddle.set_device(f"gpu:{mpicomm.get_local_rank() % paddle.device.cuda.device_count()}")',
+                 "cupy.cuda.Device(mpicomm.get_local_rank() % cupy.cuda.runtime.getDeviceCount()).use()",
+                 "torch.save(m.module.state_dict(), path)", '{k.removeprefix("module."): v for k, v in sd.items()}',
+                 "mpicomm.average(loss.item())", "with grad_reducer.no_sync():",
+                 'mpicomm.save_on_rank0(model.state_dict(), "ckpt.pt", save=torch.save)',
+                 'mpicomm.load_on_rank0("ckpt.pt", load=torch.load)', "sbatch hostfiles/slurm_job.sh",
+                 "| the data-parallel tutorial | `scripts/port_mindspore.py` |",
+                 "| OneFlow's `ddp_train.py` | `scripts/port_oneflow_ddp.py` |",
+                 "| Paddle's fleet quick start | `scripts/port_paddle.py` |",
+                 "DistributedBatchSampler(cifar10_train, 32, shuffle=True, drop_last=True)",
+                 'init(backend_name="nccl")', 'get_auto_parallel_context("full_batch")'):
+        assert line in guide, line
+    assert os.path.exists(os.path.join(ROOT, "hostfiles", "slurm_job.sh"))
+
+
 # ---------------------------------------------------------------- MindSpore's names
 
 def test_parallel_mode_is_mindspores():
@@ -236,6 +272,34 @@ def test_init_hccl_is_refused_saying_what_to_use():
         mpicomm.init("mccl")
 
 
+def test_init_takes_mindspores_backend_name_keyword():
+    """MindSpore's init(backend_name=...): the same names and refusals, named as written;
+    refused before MPI starts, on every rank alike."""
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='hccl'.*'mpi', 'nccl'.*Ascend"):
+        mpicomm.init(backend_name="hccl")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='mccl'.*CPU collective library.*'mpi'"):
+        mpicomm.init(backend_name="mccl")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='gloo'.*one of 'mpi', 'nccl'"):
+        mpicomm.init(backend_name="gloo")
+    with pytest.raises(InvalidArgumentError, match=r"invalid backend_name='nccl'.*the same as backend='mpi'"):
+        mpicomm.init("mpi", backend_name="nccl")
+    assert "backend_name" in inspect.signature(mpicomm.init).parameters
+
+
+@pytest.mark.mpi
+def test_init_backend_name_is_the_backend(comm):
+    """Called again with backend_name= naming the backend in use: nothing happens, as for
+    init(backend) with the same arguments."""
+    from mpicomm._state import CTX
+
+    name, timeout, debug, abort, check = CTX.init_key
+    mpicomm.init(backend_name=name.upper(), timeout=timeout, debug=debug, abort_on_exception=abort, check=check)
+    assert mpicomm.get_backend() == name
+    other = "nccl" if name == "mpi" else "mpi"
+    with pytest.raises(InvalidArgumentError, match=rf"invalid init arguments=.*'backend': '{other}'"):
+        mpicomm.init(backend_name=other, timeout=timeout, debug=debug, abort_on_exception=abort, check=check)
+
+
 @pytest.mark.parametrize("name", ["nccl", "NCCL", "Mpi"])   # (an id "mpi" reads as the marker)
 def test_init_takes_the_gpu_tutorials_name(name):
     from mpicomm._world import _pick_backend
@@ -261,8 +325,18 @@ def test_what_mpicomm_does_anyway_warns(key, says):
     with pytest.warns(UserWarning, match=rf"{key}=False\) is not stored.*{says}"):
         set_auto_parallel_context(gradients_mean=True, **{key: False})
     assert get_auto_parallel_context("gradients_mean") is True
-    with pytest.raises(InvalidArgumentError, match=rf"key='{key}'"):
-        get_auto_parallel_context(key)
+    assert get_auto_parallel_context(key) is False   # what mpicomm does, read back (seed 002 reads full_batch)
+
+
+def test_get_full_batch_reads_false_and_unknown_keys_still_raise():
+    """MindSpore's guide calls get_auto_parallel_context("full_batch"): False (each rank
+    reads its own shard), as enable_parallel_optimizer; the auto-parallel keys that have no
+    value here, and unknown keys, still raise, listing the keys that can be read."""
+    assert get_auto_parallel_context("full_batch") is False
+    assert get_auto_parallel_context("enable_parallel_optimizer") is False
+    for key in ("strategy_ckpt_load_file", "no_such_key", 3):
+        with pytest.raises(InvalidArgumentError, match=r"invalid key=.*one of .*full_batch.*gradients_mean"):
+            get_auto_parallel_context(key)
 
 
 def test_device_num_and_global_rank_before_init_are_kept():
@@ -309,6 +383,38 @@ def test_parameter_broadcast_gives_every_rank_rank_0s_parameters(comm):
 
 
 @pytest.mark.mpi
+def test_parameter_broadcast_without_a_reducer_warns_at_the_first_allreduce(comm):
+    """MindSpore broadcasts rank 0's parameters at the start of training; mpicomm does it
+    where it is given the parameters. A loop with AllReduce and no reducer is told, once,
+    on rank 0, at its first mpicomm.ops.AllReduce call; the sum is unchanged."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    each = [np.random.default_rng([5, q]).standard_normal(6) for q in range(n)]
+    set_auto_parallel_context(parameter_broadcast=True)
+    allreduce = mpicomm.ops.AllReduce()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = allreduce(each[r])
+        allreduce(each[r])
+    said = [str(x.message) for x in w if "parameter_broadcast=True" in str(x.message)]
+    # broadcast first (what the warning asks for): no word
+    reset_auto_parallel_context()
+    set_auto_parallel_context(parameter_broadcast=True)
+    params = [np.random.default_rng([6, r]).standard_normal(3)]
+    mpicomm.broadcast_parameters(params)
+    with warnings.catch_warnings(record=True) as w2:
+        warnings.simplefilter("always")
+        allreduce(each[r])
+    # (checked after every collective: a failure on one rank leaves no other waiting)
+    np.testing.assert_allclose(got, sum(each), rtol=1e-12)
+    if r == 0:
+        assert len(said) == 1 and "mpicomm.broadcast_parameters(params)" in said[0], said
+    else:
+        assert said == []
+    np.testing.assert_array_equal(params[0], np.random.default_rng([6, 0]).standard_normal(3))
+    assert not [x for x in w2 if "parameter_broadcast" in str(x.message)]
+
+
+@pytest.mark.mpi
 def test_parameter_broadcast_with_torch_parameters(comm):
     torch = require_module("torch", TORCH)
     r = comm.get_rank()
@@ -327,10 +433,25 @@ def test_all_reduce_fusion_config_plans_the_buckets(comm):
 
 
 @pytest.mark.mpi
+def test_gradient_fp32_sync_default_is_what_get_says(comm):
+    """MindSpore's default gradient_fp32_sync=True: get_ says True and the reducer does it:
+    half-precision gradients averaged in float32 (no division in float16 first)."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    assert get_auto_parallel_context("gradient_fp32_sync") is True
+    shape = (257,)
+    red = comm.DistributedGradReducer([np.zeros(shape, np.float16)], mean=True)
+    assert red.fp32_sync is True
+    each = [np.random.default_rng([11, q]).standard_normal(shape).astype(np.float16) for q in range(n)]
+    got = red([each[r].copy()])[0]
+    assert got.dtype == np.float16
+    exact = sum(e.astype(np.float64) for e in each) / n
+    # summed and divided in float32, rounded to float16 once: within one float16 rounding
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=2.0 ** -11, atol=2.0 ** -25)
+
+
+@pytest.mark.mpi
 def test_gradient_fp32_sync_where_set(comm):
     params = [np.zeros(4, np.float16)]
-    assert get_auto_parallel_context("gradient_fp32_sync") is True     # MindSpore's default, read back
-    assert comm.DistributedGradReducer(params).fp32_sync is False      # ...but applied only where set
     set_auto_parallel_context(gradient_fp32_sync=True)
     red = comm.DistributedGradReducer(params)
     assert red.fp32_sync is True

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 
+from .._topology import CUPY_INSTALL, gpu_seen, no_nccl_reason
 from ._common import exit_cleanly, load_mpi
 from .doctor_net import (_count, _net_size, diagnose_net, format_net, nccl_transports,  # noqa: F401 (as before)
                          net_matrix, net_pairs)
@@ -59,7 +60,9 @@ def _gpu_facts(local_rank):
              "visible_bus_ids": [], "nccl": None, "nccl_error": None}
     try:
         import cupy
-    except Exception:  # no CuPy: a CPU-only rank
+    except Exception:  # no CuPy: a CPU-only rank, unless the host has a GPU all the same
+        facts["gpu_seen"] = gpu_seen()
+        facts["no_nccl"] = no_nccl_reason() if facts["gpu_seen"] else None
         return facts
     facts["cupy"] = cupy.__version__
     try:
@@ -67,6 +70,9 @@ def _gpu_facts(local_rank):
     except Exception:
         count = 0
     facts["gpu_count"] = count
+    if not count:
+        facts["gpu_seen"] = gpu_seen()
+        facts["no_nccl"] = no_nccl_reason() if facts["gpu_seen"] else None
     if count:
         # The same choice as mpicomm._topology.select_gpu.
         facts["gpu"] = local_rank % count
@@ -237,6 +243,15 @@ def diagnose(rows):
                     f"{row['gpu_count']} GPU(s) but CuPy's NCCL is missing "
                     f"({row.get('nccl_error') or 'not available'}); install it "
                     f"(pip install nvidia-nccl-cu12, or the cupy wheel for your CUDA)")
+
+    for host, hrows in by_host.items():
+        seen = [r for r in hrows if r.get("gpu_seen") and not r.get("gpu_count")]
+        if seen:
+            warnings.append(
+                f"a GPU without NCCL on host {host}: rank(s) {_ranks(seen)} see a GPU "
+                f"({seen[0]['gpu_seen']}) but {seen[0].get('no_nccl') or 'CuPy sees none'}, so "
+                f"mpicomm.init() picks the MPI backend there (GPU arrays through host memory, an order "
+                f"of magnitude slower than NCCL); for NCCL: {CUPY_INSTALL}")
 
     for field, label in VERSION_FIELDS:
         per_host = {}

@@ -28,6 +28,7 @@ from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, invalid
 from ..training.families import TORCH
 from ..training.fused import broadcast_parameters
+from ._device import select_local_device
 from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, GatherContext, check_mode
 
@@ -89,7 +90,9 @@ class _BufferSync:
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over mpicomm's group.
 
-    At construction every rank takes rank 0's parameters and buffers (one fused
+    At construction, where CUDA is available and the program has not chosen a device, GPU
+    ``local_rank % device_count`` becomes current (each rank its own GPU; PyTorch's default
+    is GPU 0 everywhere). Every rank takes rank 0's parameters and buffers (one fused
     broadcast per dtype and device). During each backward, a bucket's all_reduce starts
     as soon as its gradients are ready (buckets in reverse parameter order); backward
     returns once every bucket is reduced (on GPUs: once the reductions are queued before
@@ -142,6 +145,8 @@ class DistributedDataParallel(nn.Module):
             from .. import init
 
             init()
+        # each rank's own GPU where the program chose none (PyTorch's default is GPU 0 on every rank)
+        select_local_device(CTX.local_rank)
         self.module = module
         self.group = group
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -157,7 +162,8 @@ class DistributedDataParallel(nn.Module):
             if every:
                 broadcast_parameters(every, root=0, group=group)
         self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
-                                              fusion_config=fusion_config, compression=compression, group=group)
+                                              fusion_config=fusion_config, compression=compression, group=group,
+                                              fp32_sync=False)   # (PyTorch's DDP: in the gradients' dtype)
         # big gradients reduced from where autograd leaves them, not copied into the buckets
         # first (the same calls on every rank: the plan decides them)
         self.reducer.direct_overlap = True

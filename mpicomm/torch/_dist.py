@@ -8,6 +8,7 @@ import socket
 from datetime import timedelta
 
 from ..errors import invalid
+from ._device import select_local_device
 
 
 def _world_comm():
@@ -45,7 +46,8 @@ def init_process_group(backend=None, *, timeout=None, set_device=True, **kwargs)
 
     backend: "nccl", "gloo", ... or None: "nccl" where CUDA is available, else "gloo".
     timeout: seconds (or a timedelta) for torch.distributed's operations (default: its own).
-    set_device: select CUDA device ``LOCAL_RANK % device_count`` first (where CUDA is).
+    set_device: select CUDA device ``LOCAL_RANK % device_count`` first, where CUDA is and
+        the program has not chosen a device (used CUDA, or set a device other than 0).
     kwargs: passed on to ``torch.distributed.init_process_group``.
 
     Returns the backend's name. Nothing happens when torch.distributed is already
@@ -74,7 +76,7 @@ def init_process_group(backend=None, *, timeout=None, set_device=True, **kwargs)
     if backend is None:
         backend = "nccl" if cuda else "gloo"
     if cuda and set_device:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        select_local_device(local_rank)
     addr = _address(comm, local_size) if rank == 0 else None
     want_port = int(os.environ.get("MASTER_PORT", "0") or 0)
     store = err = None

@@ -5,7 +5,7 @@ as in MindSpore. Every key does something or says why not:
 
 - :class:`mpicomm.DistributedGradReducer` reads, when it is made, ``gradients_mean``
   (when ``mean=None``), ``all_reduce_fusion_config`` (when ``fusion_config=None``),
-  ``gradient_fp32_sync`` (when ``fp32_sync=None`` and the key was set) and
+  ``gradient_fp32_sync`` (when ``fp32_sync=None``; True by default, as MindSpore's) and
   ``parameter_broadcast`` (True: the parameters given to it are overwritten with group
   rank 0's, one fused broadcast); it checks ``device_num`` and ``global_rank`` against
   the world, and warns when ``parallel_mode="stand_alone"`` was set for more than one rank.
@@ -106,6 +106,35 @@ _DEFAULTS = {
 _VALUES = dict(_DEFAULTS)
 _SET = set()                    # keys set since the last reset (not their defaults)
 _REDUCERS = weakref.WeakSet()   # the DistributedGradReducers alive, made under some setting
+
+
+# parameter_broadcast=True with no DistributedGradReducer (nor broadcast_parameters) to act
+# on it: mpicomm.ops.AllReduce's first call warns, once (see warn_unbroadcast)
+broadcast_pending = False
+_BROADCAST_DONE = False
+
+
+def parameters_broadcast():
+    """Note that parameters were broadcast from a root (broadcast_parameters ran)."""
+    global broadcast_pending, _BROADCAST_DONE
+    _BROADCAST_DONE = True
+    broadcast_pending = False
+
+
+def warn_unbroadcast(what):
+    """Warn (world rank 0, once) that parameter_broadcast=True is set but nothing has been
+    broadcast: MindSpore broadcasts rank 0's parameters at the start of training, mpicomm
+    only where it is given the parameters (a DistributedGradReducer, broadcast_parameters)."""
+    global broadcast_pending
+    if not broadcast_pending:
+        return
+    broadcast_pending = False
+    if CTX.initialized and CTX.world.rank == 0:
+        warnings.warn(f"set_auto_parallel_context(parameter_broadcast=True) is set, but no parameters have been "
+                      f"broadcast before this {what}: mpicomm broadcasts rank 0's parameters when a "
+                      "DistributedGradReducer is made over them (MindSpore does it at the start of training); "
+                      "a loop without a reducer must call mpicomm.broadcast_parameters(params) first, or its "
+                      "ranks train from different weights", UserWarning, stacklevel=3)
 
 
 def _int_in(key, v, lo, hi):
@@ -214,12 +243,20 @@ def set_auto_parallel_context(**kwargs):
                       "(the context is read when a reducer is made)", UserWarning, stacklevel=2)
     _VALUES.update(new)
     _SET.update(new)
+    global broadcast_pending
+    broadcast_pending = bool(_VALUES["parameter_broadcast"]) and not _BROADCAST_DONE
 
 
 def get_auto_parallel_context(key):
-    """The value of one setting (see :func:`set_auto_parallel_context` for the keys)."""
+    """The value of one setting (see :func:`set_auto_parallel_context` for the keys).
+
+    ``full_batch`` and ``enable_parallel_optimizer`` read False: what mpicomm does (each
+    rank reads its own shard and keeps the whole optimizer state), as MindSpore's default."""
+    if isinstance(key, str) and key in _NOT_HERE and _NOT_HERE[key][0] is not _NONE:
+        return _NOT_HERE[key][0]
     if not isinstance(key, str) or key not in _DEFAULTS:
-        raise invalid("key", key, "one of " + ", ".join(sorted(_DEFAULTS)))
+        readable = sorted([*_DEFAULTS, *(k for k, (same, _) in _NOT_HERE.items() if same is not _NONE)])
+        raise invalid("key", key, "one of " + ", ".join(readable))
     v = _VALUES[key]
     if v is None:
         if key == "device_num":
@@ -232,22 +269,24 @@ def get_auto_parallel_context(key):
 
 def reset_auto_parallel_context():
     """Restore every setting to its default."""
+    global broadcast_pending, _BROADCAST_DONE
     _VALUES.clear()
     _VALUES.update(_DEFAULTS)
     _SET.clear()
+    broadcast_pending = _BROADCAST_DONE = False
 
 
 def reducer_settings(mean, fp32_sync):
     """What a DistributedGradReducer being made takes from the context:
     ``(mean, fp32_sync, parameter_broadcast)``. ``mean=None``: gradients_mean;
-    ``fp32_sync=None``: gradient_fp32_sync where it was set, else False (MindSpore applies
-    it to the auto-parallel modes only). Raises InvalidArgumentError when device_num or
+    ``fp32_sync=None``: gradient_fp32_sync (True by default, as MindSpore's: what
+    ``get_auto_parallel_context("gradient_fp32_sync")`` says is what the reducer does). Raises InvalidArgumentError when device_num or
     global_rank disagrees with the world."""
     check_world(_VALUES["device_num"], _VALUES["global_rank"])
     if mean is None:
         mean = _VALUES["gradients_mean"]
     if fp32_sync is None:
-        fp32_sync = _VALUES["gradient_fp32_sync"] if "gradient_fp32_sync" in _SET else False
+        fp32_sync = _VALUES["gradient_fp32_sync"]
     return mean, fp32_sync, _VALUES["parameter_broadcast"]
 
 

@@ -80,6 +80,9 @@ def broadcast_parameters(parameters, root=0, group=None):
         if not me:
             for i, v in zip(idx, views):
                 fam.copy(arrays[i], v)
+    from . import context
+
+    context.parameters_broadcast()
     return parameters
 
 

@@ -8,6 +8,7 @@ same order.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -96,7 +97,7 @@ class DistributedGradReducer:
         (None: the context's all_reduce_fusion_config when set, else the cap).
     compression: "fp16" or "bf16" sends float32 gradients in half precision.
     fp32_sync: reduce float16/bfloat16 gradients in float32 (None: the context's
-        gradient_fp32_sync where set_auto_parallel_context set it, else False).
+        gradient_fp32_sync, True by default as in MindSpore).
     group: the group to reduce over (None: the world).
 
     Raises InvalidArgumentError naming the argument, the value and what is allowed,
@@ -132,8 +133,8 @@ class DistributedGradReducer:
             if compression not in COMPRESSIONS:
                 raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
             if not isinstance(fp32_sync, (bool, np.bool_)):
-                raise invalid("fp32_sync", fp32_sync, "True or False (None: the context's gradient_fp32_sync "
-                              "where it was set, else False)")
+                raise invalid("fp32_sync", fp32_sync, "True or False (None: the context's gradient_fp32_sync, "
+                              "True by default)")
             group_launch = env_bool("MPICOMM_BUCKET_GROUP", True)
             plan = plan_buckets([s[4] for s in specs], keys, cap, fc)
             sig = ([(s[1], k[0], k[1]) for s, k in zip(specs, keys)], plan, bool(mean), compression,
@@ -159,6 +160,8 @@ class DistributedGradReducer:
         self._build(plan, specs)
         self._reset_step()
         self._sides = {}
+        self._accumulating = False   # inside no_sync()
+        self._acc = None             # the gradients summed inside no_sync(), per parameter
         # Blocking reductions (reduce_ / __call__) on NCCL issue every bucket's all-reduce
         # inside one NCCL group (ncclGroupStart/End): NCCL schedules them together instead
         # of one after the other, so small buckets lose little to one big buffer.
@@ -436,13 +439,58 @@ class DistributedGradReducer:
                     b.flat, b.wire, b.small = flat, wire, sm
             self._reset_step()
 
+    # ----------------------------------------------------------- gradient accumulation
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients over several steps with no communication (what
+        ``DistributedDataParallel.no_sync()`` does for a wrapped model).
+
+        Inside the block, ``reducer(grads)`` and ``reducer.reduce_(grads)`` add ``grads`` into
+        the reducer's own sum and return them unreduced; the first ``reducer(grads)``,
+        ``reduce_(grads)`` or ``mark_ready()`` step after it reduces that sum plus its own
+        gradients, once. Every rank must run the same steps inside and outside the block.
+        mark_ready() inside it raises InvalidArgumentError.
+        """
+        self._check_idle("no_sync()")
+        old = self._accumulating
+        self._accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = old
+
+    def _accumulate(self, grads):
+        self._checks.grads(grads, [None] * len(self._specs))
+        if self._acc is None:
+            self._acc = [g.clone() if hasattr(g, "clone") else g.copy() for g in grads]
+        else:
+            for a, g in zip(self._acc, grads):
+                a += g
+
+    def _with_accumulated(self, grads, in_place):
+        """``grads`` plus the sum accumulated inside no_sync() (then forgotten): new arrays,
+        or added into ``grads`` where ``in_place``."""
+        self._checks.grads(grads, self._views)
+        acc, self._acc = self._acc, None
+        if in_place:
+            for g, a in zip(grads, acc):
+                g += a
+            return grads
+        return [g + a for g, a in zip(grads, acc)]
+
     def __call__(self, grads):
         """Return the reduced gradients as new arrays (``grads`` is left as it is).
 
         Each bucket's gradients are packed into one new buffer (one copy launch per
         bucket, not one per gradient), reduced in place there, and returned as views of
         it, as PyTorch's ``_unflatten_dense_tensors`` gives them: no copy back.
+        Inside :meth:`no_sync`: added to the accumulated sum and returned as given.
         """
+        if self._accumulating:
+            self._accumulate(grads)
+            return list(grads)
+        if self._acc is not None:
+            grads = self._with_accumulated(grads, in_place=False)
         out = [None] * len(self._views)
         if isinstance(grads, (list, tuple)) and any(g is v for g, v in zip(grads, self._views)):
             self._run(grads)  # some gradients already live in the buckets: reduce there, then copy
@@ -460,7 +508,13 @@ class DistributedGradReducer:
         return out
 
     def reduce_(self, grads):
-        """Reduce ``grads`` in place and return it (no copies when they are grad_views())."""
+        """Reduce ``grads`` in place and return it (no copies when they are grad_views()).
+        Inside :meth:`no_sync`: added to the accumulated sum and left as they are."""
+        if self._accumulating:
+            self._accumulate(grads)
+            return grads
+        if self._acc is not None:
+            self._with_accumulated(grads, in_place=True)
         self._run(grads)
         for b in self._buckets:
             pairs = [(grads[i], v, nb) for i, v, nb in zip(b.indices, b.views, b.sizes or b.indices)
@@ -487,6 +541,9 @@ class DistributedGradReducer:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n:
             raise invalid("i", i, f"a gradient index in 0..{n - 1}")
         i = int(i)
+        if self._accumulating:
+            raise InvalidArgumentError("mark_ready() inside no_sync(): accumulate with reducer(grads) or "
+                                       "reduce_(grads) there, and overlap the step after the block")
         if self._ready[i]:
             raise invalid("i", i, "a gradient not yet marked ready in this step (call wait() to "
                           "finish the step before marking it again)")
@@ -496,6 +553,12 @@ class DistributedGradReducer:
             if grad is not v:
                 self._specs[i][0].copy(v, grad)
                 self._given[i] = grad
+        if self._acc is not None and self._acc[i] is not None:   # what no_sync() accumulated
+            v = self._views[i]
+            v += self._acc[i]
+            self._acc[i] = None
+            if all(a is None for a in self._acc):
+                self._acc = None
         if not self._active:
             self._begin_overlapped()
         self._ready[i] = True
@@ -518,6 +581,7 @@ class DistributedGradReducer:
         ``zero_grad(set_to_none=True)``): a big gradient of a direct step is reduced from
         ``g`` straight into ``grad_views()[i]``; any other is copied there first."""
         direct = self._step.direct if self._active else self.direct_overlap  # (what the step will be)
+        direct = direct and self._acc is None   # (an accumulated sum is added in the bucket)
         b = self._buckets[self._bucket_of[i]]
         j = self._pos[i]
         if direct and b.direct and j >= b.nsmall and _contiguous(g):
