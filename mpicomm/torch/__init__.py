@@ -17,7 +17,7 @@ try:
 except ImportError as e:
     raise ModuleNotFoundError(
         f"mpicomm.torch needs PyTorch, which cannot be imported here ({type(e).__name__}: {e}): "
-        "pip install 'mpicomm[torch]' (or pip install torch; on a machine without a GPU, PyTorch's "
+        "pip install '.[torch]' in mpicomm's source tree (or pip install torch; on a machine without a GPU, PyTorch's "
         "smaller CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
         name="torch") from None
 

@@ -191,7 +191,7 @@ def pyplot():
     except ImportError as e:
         raise ModuleNotFoundError(
             f"--plot needs matplotlib, which cannot be imported here ({type(e).__name__}: {e}): "
-            "pip install 'mpicomm[plot]' (or pip install matplotlib), or leave out --plot "
+            "pip install '.[plot]' in mpicomm's source tree (or pip install matplotlib), or leave out --plot "
             "(--json FILE keeps every row)", name="matplotlib") from None
     return plt
 

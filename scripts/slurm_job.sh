@@ -1,8 +1,8 @@
 #!/bin/bash
 # An mpicomm job for Slurm: 2 hosts x 4 GPUs, one rank per GPU. From the mpicomm source tree:
-#   sbatch hostfiles/slurm_job.sh                                   (scripts/port_mindspore.py)
-#   sbatch hostfiles/slurm_job.sh scripts/port_oneflow_ddp.py --iters 100
-#   sbatch --nodes=4 hostfiles/slurm_job.sh train.py                (options on the command line win)
+#   sbatch scripts/slurm_job.sh                                   (scripts/port_mindspore.py)
+#   sbatch scripts/slurm_job.sh scripts/port_oneflow_ddp.py --iters 100
+#   sbatch --nodes=4 scripts/slurm_job.sh train.py                (options on the command line win)
 # mpicomm-run reads the hosts and the ranks per host from the allocation itself
 # (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE) and prints them; each rank takes GPU
 # local_rank % GPUs. On CPU nodes, drop the --gpus-per-node line. The environment that
