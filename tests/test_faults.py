@@ -108,6 +108,57 @@ def test_replay_that_a_rank_skips_names_it(gpu):
     assert "rank 1 replayed fewer graphs" in m.group(1) and "rank 0: 2, rank 1: 1" in m.group(1), m.group(1)
 
 
+def _no_cuda():
+    """True where neither a CUDA driver nor a real CuPy is here: where the double runs (its
+    handles must never reach the driver; tests/test_nccl_double.py skips alike)."""
+    import ctypes
+    import importlib.util
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return False
+    except OSError:
+        return importlib.util.find_spec("cupy") is None
+
+
+DOUBLE = pytest.param("double", id="nccl-double",   # the NCCL backend over tests/fakecupy, on the CPU
+                      marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is here: the GPU variant runs"))
+GPU_FLAG = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")],
+                        id="nccl-gpu")
+
+
+@pytest.mark.parametrize("where", [DOUBLE, GPU_FLAG])
+def test_rank_that_stops_replaying_is_named_with_the_graphs_collective(where):
+    """Every rank replays a graph of one all_reduce made by mpicomm.capture; rank 1 stops
+    after the first replay (3 ranks on the CPU double, 2 on GPUs). Every rank's report,
+    within the timeout, names the graph's collective: the replaying ranks' (their replay 2
+    did not complete; rank 1 replayed fewer graphs) and rank 1's own (its peers replayed
+    more graphs, and wait in that collective)."""
+    n = 3 if where == "double" else 2
+    argv = mpirun_argv(n, WORKER, "replay_stop", f"--{where}")
+    p, took = run_job(argv, clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT)}), TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + SLACK, (took, p.stderr)
+    got = results(p)
+    assert "finished" not in str(got), got
+    caps = {r: v[0] for r, v in got.items()}
+    assert sorted(caps) == list(range(n)) and len(set(caps.values())) == 1, got
+    coll = caps[0].split("| ", 1)[1]
+    assert re.fullmatch(r"all_reduce sequence \d+ on group 'world' \(shape \(4,\), dtype float32\)", coll), coll
+    for r in range(n):
+        m = re.search(rf"^\[mpicomm rank {r}\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+        assert m, p.stderr
+        line = m.group(1)
+        assert coll in line, line
+        if r == 1:
+            ahead = ", ".join(str(q) for q in range(n) if q != 1)
+            assert line.startswith(f"rank 1: rank{'s' if n > 2 else ''} {ahead} replayed more CUDA graphs"), line
+            assert "which this rank has not replayed" in line, line
+        else:
+            assert line.startswith(f"rank {r}: the CUDA graph of this rank's replay 2 (mpicomm.replay) did not "
+                                   "complete"), line
+            assert "rank 1 replayed fewer graphs" in line, line
+
+
 def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
     """Rank 1 of 3 writes its record and skips the third all_reduce: ranks 0 and 2 report the
     timeout and write theirs; rank 0's report ends with the file's path, and mpicomm-trace on

@@ -19,10 +19,13 @@ from .._timing import TIMING
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
-# its tag, stack-dump request, CUDA graphs replayed through mpicomm.replay, the agreement
-# report (its length in bytes, then REASON_WORDS words of UTF-8 text), then ROWS rows of F
-# fields]. REPLAYS counts this rank's mpicomm.replay calls: a replay that does not complete
-# is diagnosed by comparing the counts (mpicomm._replay). "exited" is set when the process
+# its tag, stack-dump request, CUDA graphs replayed through mpicomm.replay, the key of the
+# last one, the agreement report (its length in bytes, then REASON_WORDS words of UTF-8
+# text), then ROWS rows of F fields]. REPLAYS counts this rank's mpicomm.replay calls: a
+# replay that does not complete is diagnosed by comparing the counts (mpicomm._replay);
+# REPLAY_KEY names the graph of the last one (0: a graph not made by mpicomm.capture, else
+# a hash of the collectives it captured, the same on every rank that captured the same),
+# so that a rank that replayed fewer graphs names the collective its peers wait in. "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
@@ -35,8 +38,9 @@ XSTATUS = 3
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 REPLAYS = 8
-REASON_LEN = 9
-REASON = 10
+REPLAY_KEY = 9
+REASON_LEN = 10
+REASON = 11
 REASON_WORDS = 64
 XREASON_LEN = REASON + REASON_WORDS    # the last report of the comparison across hosts that this
 XREASON = XREASON_LEN + 1              # rank told its group's members (the same layout)

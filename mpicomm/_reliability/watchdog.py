@@ -27,7 +27,7 @@ from . import agreement as agr
 from .cross_host import CrossHostCheck
 from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DUMP, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+from .progress import (DUMP, REPLAY_KEY, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
                        ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
@@ -61,7 +61,11 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self._xread = {}               # row -> (partner, its reads in flight, started)
         self._xtold = {}               # row -> (group, call, report) told to the members
         self._xrate = {}               # row -> (time, sequence number, the same of the round before)
-        self._replays = collections.deque()   # (event, count, when) of mpicomm.replay calls not known done
+        self._replays = collections.deque()   # [event, count, when, collectives] of mpicomm.replay calls not
+        #                                       known done (event None: being launched)
+        self.graphs = {}               # REPLAY_KEY -> the collectives of that graph (mpicomm.capture)
+        self._behind = None            # ((own count, peers' counts), first seen): peers replayed more graphs
+        self._behind_next = 0.0        # when the peers' replay counts are next read
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
         self._thread = None
@@ -155,6 +159,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             sys.stderr.flush()
         if self.device_id is not None:
             if self._replays and self._tick_replays(now):
+                return
+            if not self._replays and self.progress.m[REPLAYS] and self._tick_behind(now):
                 return
             self._tick_gpu(events, now)
         if now >= self._xnext:
@@ -416,19 +422,23 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                   grace=TIMING.grace, code=code)
 
     # ------------------------------------------------------ mpicomm.replay
-    def watch_replay(self, event, count):
-        """A CUDA graph replayed through mpicomm.replay (this rank's replay ``count``), done
-        when ``event`` is (mpicomm._replay)."""
+    def watch_replay(self, count, collectives=None):
+        """A CUDA graph being replayed through mpicomm.replay (this rank's replay ``count``;
+        ``collectives``: its captured collectives in one line, or None where unknown). Returns
+        its slot, whose first item mpicomm._replay sets to a CUDA event recorded after the
+        launch: the replay is done when that event is."""
         q = self._replays
-        while q and q[0][0].done:   # (the replays before it on the stream)
+        while q and q[0][0] is not None and q[0][0].done:   # (the replays before it on the stream)
             q.popleft()
-        q.append((event, count, time.monotonic()))
+        slot = [None, count, time.monotonic(), collectives]
+        q.append(slot)
+        return slot
 
     def _tick_replays(self, now):
         """The oldest replay not done: reported past the timeout. True when it fired."""
         q = self._replays
         try:
-            while q and q[0][0].done:
+            while q and q[0][0] is not None and q[0][0].done:
                 q.popleft()
         except Exception:   # (an event of a context that is gone)
             q.clear()
@@ -438,7 +448,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             if self.fired:
                 return True
             self.fired = True
-        _, count, t0 = q[0]
+        _, count, t0, colls = q[0]
         me, n = self.world.ranks[self.world.rank], self.world.size
         states = self.progress.read_peers(list(range(n)))
         counts = {r: (int(st[REPLAYS]) if st is not None else None) for r, st in states.items()}
@@ -448,10 +458,56 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                "a collective captured in this one waits for {}".format("them" if len(fewer) > 1 else "it")
                if fewer else "every rank replayed as many graphs: their captured collectives differ, or a "
                "rank waits in other GPU work")
+        held = (f"; the graph holds {colls}" if colls is not None else
+                "; the graph was not made by mpicomm.capture, so its collectives are not known")
         msg = (f"rank {me}: the CUDA graph of this rank's replay {count} (mpicomm.replay) did not complete "
-               f"within {now - t0:.0f} s; {why} (graphs replayed so far: {seen}). Replay the same graphs in "
-               f"the same order on every rank (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now "
+               f"within {now - t0:.0f} s{held}; {why} (graphs replayed so far: {seen}). Replay the same graphs "
+               f"in the same order on every rank (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now "
                f"{self.timeout:g} s)")
+        self.lagging = [r for r in fewer if r != me]
+        self._report(msg, False, [r for r in range(n) if r != me])
+        return True
+
+    def _tick_behind(self, now):
+        """This rank has replayed graphs and has none pending: when its peers have replayed
+        more than it for the timeout, they wait in a graph's collective that this rank does
+        not reach: report it, naming that collective (the graph of the key the first of them
+        published). True when it fired."""
+        if now < self._behind_next:
+            return False
+        self._behind_next = now + TIMING.wait_check
+        m = self.progress.m
+        mine = int(m[REPLAYS])
+        me, n = self.world.ranks[self.world.rank], self.world.size
+        states = self.progress.read_peers([r for r in range(n) if r != me])
+        counts = {r: int(st[REPLAYS]) for r, st in states.items() if st is not None}
+        ahead = sorted(r for r, c in counts.items() if c > mine)
+        if not ahead:
+            self._behind = None
+            return False
+        key = (mine, tuple(sorted(counts.items())))
+        if self._behind is None or self._behind[0] != key:
+            self._behind = (key, now)
+            return False
+        waited = now - self._behind[1]
+        if waited < self.timeout:
+            return False
+        with self._lock:
+            if self.fired:
+                return True
+            self.fired = True
+        first = ahead[0]
+        gkey = int(states[first][REPLAY_KEY])
+        colls = self.graphs.get(gkey) if gkey else None
+        what = (f"a graph that holds {colls}" if colls is not None else
+                "a graph not made by mpicomm.capture (its collectives are not known)" if not gkey else
+                "a graph whose collectives this rank never captured")
+        seen = ", ".join(f"rank {r}: {c}" for r, c in sorted({**counts, me: mine}.items()))
+        msg = (f"rank {me}: rank{'s' if len(ahead) > 1 else ''} {', '.join(map(str, ahead))} replayed more CUDA "
+               f"graphs (mpicomm.replay) than this rank for {waited:.0f} s: {'they wait' if len(ahead) > 1 else 'it waits'} "
+               f"in replay {counts[first]}, {what}, which this rank has not replayed (graphs replayed so far: "
+               f"{seen}). Replay the same graphs in the same order on every rank (timeout: init(timeout=...) or "
+               f"MPICOMM_TIMEOUT, now {self.timeout:g} s)")
         self._report(msg, False, [r for r in range(n) if r != me])
         return True
 
