@@ -44,6 +44,13 @@ class Captured:
         return "; ".join(self.collectives)
 
 
+class _LaunchFailed:
+    """The event of a replay whose launch raised: done (the watchdog drops it)."""
+    done = True
+
+
+_LAUNCH_FAILED = _LaunchFailed()
+
 # id(graph) -> Captured, for the graphs made by capture() and still alive
 _GRAPHS: dict[int, Captured] = {}
 
@@ -184,17 +191,22 @@ def replay(graph: Any, stream: Any = None) -> None:
     n = m[REPLAYS] = m[REPLAYS] + 1
     # watched from before the launch: a launch that itself waits (on the host) is reported too
     slot = rel.watchdog.watch_replay(n, cap.describe() if cap is not None else None)
-    if torch_graph:
-        if stream is None:
-            graph.replay()
-            ptr = torch.cuda.current_stream().cuda_stream
-        else:
-            with torch.cuda.stream(stream):
+    try:
+        if torch_graph:
+            if stream is None:
                 graph.replay()
-            ptr = stream.cuda_stream
-    else:
-        graph.launch(stream)
-        ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+                ptr = torch.cuda.current_stream().cuda_stream
+            else:
+                with torch.cuda.stream(stream):
+                    graph.replay()
+                ptr = stream.cuda_stream
+        else:
+            graph.launch(stream)
+            ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    except BaseException:   # nothing was launched: not a replay to watch, nor to count
+        slot[0] = _LAUNCH_FAILED
+        m[REPLAYS] = n - 1
+        raise
     ev = cupy.cuda.Event(block=False, disable_timing=True)
     cupy.cuda.runtime.eventRecord(ev.ptr, ptr)
     slot[0] = ev

@@ -225,7 +225,7 @@ def step_fn(case, model, opt, device, batches, amp=None):
     amp = device.type == "cuda" if amp is None else amp
     it = [0]
     # overlap_step: backward has applied the update (opt.step() would raise)
-    stepped = getattr(model, "_overlap", None) is not None
+    stepped = getattr(model, "overlap_step", False) is True
 
     def step():
         x, y = batches[it[0] % len(batches)]

@@ -679,4 +679,13 @@ def test_capture_names_its_collectives_and_replays(cp, request):
             pass
     with pytest.raises(InvalidArgumentError, match=r"invalid stream='int'.*cupy.cuda.Stream for a CuPy graph"):
         mpicomm.replay(cap.graph, 3)
+
+    class Unlaunchable:   # a graph whose launch raises: neither counted nor watched
+        def launch(self, stream=None):
+            raise RuntimeError("no launch")
+    before = int(m[REPLAYS])
+    with pytest.raises(RuntimeError, match="no launch"):
+        mpicomm.replay(Unlaunchable(), s)
+    assert int(m[REPLAYS]) == before
+    assert all(slot[0] is not None and slot[0].done for slot in CTX.reliability.watchdog._replays)
     mpicomm.barrier()   # nothing was entered: the group goes on

@@ -180,6 +180,7 @@ class DistributedDataParallel(nn.Module):
                 raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
         self._bufs = [b for b in module.buffers()]
         self._overlap = OverlappedStep(optimizer, self._params, self._names) if overlap_step else None
+        self.overlap_step = overlap_step   # backward applies the optimizer: leave optimizer.step() out
         _same_model_everywhere(module, group)
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
