@@ -24,24 +24,50 @@ from ._state import CTX, require_init
 from .errors import CommunicationError, invalid
 
 
-class Captured:
-    """What ``mpicomm.capture`` made: ``graph`` (the CuPy ``cupy.cuda.Graph`` once the block
-    has ended, or the ``torch.cuda.CUDAGraph`` given), ``collectives`` (one line for each of
-    mpicomm's collectives the graph captured, in the order they were issued) and ``key``
-    (a hash of those lines, the same on every rank that captured the same calls; 0: none)."""
+class _Record:
+    """What is kept of a graph made by capture (never the graph itself: NCCL waits at
+    finalize for every graph that captured one of its calls to be destroyed): its
+    collectives, key and replays on this rank, and a weak reference to it where its type
+    allows one."""
 
-    __slots__ = ("graph", "collectives", "key")
+    __slots__ = ("collectives", "key", "replays", "ref")
 
     def __init__(self) -> None:
-        self.graph: Any = None
         self.collectives: list[str] = []
         self.key = 0
+        self.replays = 0   # mpicomm.replay calls of the graph on this rank
+        self.ref: Any = None
 
     def describe(self) -> str:
         """The collectives in one line (for a report)."""
         if not self.collectives:
             return "no collective of mpicomm's"
         return "; ".join(self.collectives)
+
+
+class Captured:
+    """What ``mpicomm.capture`` made: ``graph`` (the CuPy ``cupy.cuda.Graph`` once the block
+    has ended, or the ``torch.cuda.CUDAGraph`` given), ``collectives`` (one line for each of
+    mpicomm's collectives the graph captured, in the order they were issued) and ``key``
+    (a hash of those lines, the same on every rank that captured the same calls; 0: none)."""
+
+    __slots__ = ("graph", "_rec")
+
+    def __init__(self) -> None:
+        self.graph: Any = None
+        self._rec = _Record()
+
+    @property
+    def collectives(self) -> list[str]:
+        return list(self._rec.collectives)
+
+    @property
+    def key(self) -> int:
+        return self._rec.key
+
+    def describe(self) -> str:
+        """The collectives in one line (for a report)."""
+        return self._rec.describe()
 
 
 class _LaunchFailed:
@@ -51,8 +77,9 @@ class _LaunchFailed:
 
 _LAUNCH_FAILED = _LaunchFailed()
 
-# id(graph) -> Captured, for the graphs made by capture() and still alive
-_GRAPHS: dict[int, Captured] = {}
+# id(graph) -> its _Record, for the graphs made by capture() (dropped when the graph goes,
+# where it takes weak references)
+_GRAPHS: dict[int, _Record] = {}
 
 
 def _groups_seq() -> dict:
@@ -90,13 +117,15 @@ def _forget(gid: int) -> None:
 def _remember(cap: Captured) -> None:
     import weakref
 
-    gid = id(cap.graph)
-    _GRAPHS[gid] = cap
-    CTX.reliability.watchdog.graphs[cap.key] = cap.describe()
+    rec, gid = cap._rec, id(cap.graph)
     try:
+        rec.ref = weakref.ref(cap.graph)
         weakref.finalize(cap.graph, _forget, gid)
     except TypeError:   # (a graph type without weak references: kept until a graph of the same id replaces it)
-        pass
+        rec.ref = None
+    _GRAPHS[gid] = rec
+    if rec.key:
+        CTX.reliability.watchdog.graphs[rec.key] = rec
 
 
 @contextlib.contextmanager
@@ -148,9 +177,10 @@ def capture(graph: Any = None, stream: Any = None, **torch_graph_kwargs: Any) ->
                 yield cap
             finally:
                 cap.graph = stream.end_capture()
-    cap.collectives = _captured_lines(before)
-    if cap.collectives:
-        cap.key = 1 + (zlib.crc32(cap.describe().encode()) & 0x3FFFFFFF)
+    rec = cap._rec
+    rec.collectives = _captured_lines(before)
+    if rec.collectives:
+        rec.key = 1 + (zlib.crc32(rec.describe().encode()) & 0x3FFFFFFF)
     _remember(cap)
 
 
@@ -182,15 +212,17 @@ def replay(graph: Any, stream: Any = None) -> None:
     elif stream is not None and not isinstance(stream, cupy.cuda.Stream):
         raise invalid("stream", type(stream).__name__, "a cupy.cuda.Stream for a CuPy graph, or None")
     cap = _GRAPHS.get(id(graph))
-    if cap is not None and cap.graph is not graph:
+    if cap is not None and cap.ref is not None and cap.ref() is not graph:
         cap = None
     from ._reliability.progress import REPLAY_KEY, REPLAYS
 
     m = rel.progress.m
     m[REPLAY_KEY] = cap.key if cap is not None else 0
     n = m[REPLAYS] = m[REPLAYS] + 1
+    if cap is not None:
+        cap.replays += 1
     # watched from before the launch: a launch that itself waits (on the host) is reported too
-    slot = rel.watchdog.watch_replay(n, cap.describe() if cap is not None else None)
+    slot = rel.watchdog.watch_replay(n, cap)
     try:
         if torch_graph:
             if stream is None:
@@ -206,6 +238,8 @@ def replay(graph: Any, stream: Any = None) -> None:
     except BaseException:   # nothing was launched: not a replay to watch, nor to count
         slot[0] = _LAUNCH_FAILED
         m[REPLAYS] = n - 1
+        if cap is not None:
+            cap.replays -= 1
         raise
     ev = cupy.cuda.Event(block=False, disable_timing=True)
     cupy.cuda.runtime.eventRecord(ev.ptr, ptr)

@@ -132,8 +132,8 @@ def test_rank_that_stops_replaying_is_named_with_the_graphs_collective(where):
     """Every rank replays a graph of one all_reduce made by mpicomm.capture; rank 1 stops
     after the first replay (3 ranks on the CPU double, 2 on GPUs). Every rank's report,
     within the timeout, names the graph's collective: the replaying ranks' (their replay 2
-    did not complete; rank 1 replayed fewer graphs) and rank 1's own (its peers replayed
-    more graphs, and wait in that collective)."""
+    did not complete; rank 1 replayed fewer graphs) and rank 1's own (its peers wait in the
+    second replay of a graph it replayed once: by itself, or when their report asks)."""
     n = 3 if where == "double" else 2
     argv = mpirun_argv(n, WORKER, "replay_stop", f"--{where}")
     p, took = run_job(argv, clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT)}), TIMEOUT + 60)
@@ -151,8 +151,9 @@ def test_rank_that_stops_replaying_is_named_with_the_graphs_collective(where):
         assert coll in line, line
         if r == 1:
             ahead = ", ".join(str(q) for q in range(n) if q != 1)
-            assert line.startswith(f"rank 1: rank{'s' if n > 2 else ''} {ahead} replayed more CUDA graphs"), line
-            assert "which this rank has not replayed" in line, line
+            assert line.startswith(f"rank 1: rank{'s' if n > 2 else ''} {ahead} wait{'' if n > 2 else 's'} in "
+                                   "replay 2 (mpicomm.replay) of a CUDA graph that holds "), line
+            assert "which this rank has replayed 1 time(s) and is not replaying" in line, line
         else:
             assert line.startswith(f"rank {r}: the CUDA graph of this rank's replay 2 (mpicomm.replay) did not "
                                    "complete"), line

@@ -670,7 +670,7 @@ def test_capture_names_its_collectives_and_replays(cp, request):
         s.synchronize()
         close(out.get(), reduce_np(xs, ReduceOp.SUM))
         close(gat.get(), np.concatenate(xs))
-    assert CTX.reliability.watchdog.graphs[cap.key] == cap.describe()
+    assert CTX.reliability.watchdog.graphs[cap.key].describe() == cap.describe()
     with pytest.raises(InvalidArgumentError, match=r"invalid stream='NoneType'.*cupy.cuda.Stream other than the null"):
         with mpicomm.capture():
             pass

@@ -24,8 +24,10 @@ from .abort import quiet
 # text), then ROWS rows of F fields]. REPLAYS counts this rank's mpicomm.replay calls: a
 # replay that does not complete is diagnosed by comparing the counts (mpicomm._replay);
 # REPLAY_KEY names the graph of the last one (0: a graph not made by mpicomm.capture, else
-# a hash of the collectives it captured, the same on every rank that captured the same),
-# so that a rank that replayed fewer graphs names the collective its peers wait in. "exited" is set when the process
+# a hash of the collectives it captured, the same on every rank that captured the same).
+# REPLAY_WAIT, written by the watchdog alone, is the replay it sees pending (replay_wait:
+# the graph's own replay number and key; 0: none), so that a rank that has replayed that
+# graph fewer times names the collective its peers wait in. "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
@@ -39,8 +41,9 @@ P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 REPLAYS = 8
 REPLAY_KEY = 9
-REASON_LEN = 10
-REASON = 11
+REPLAY_WAIT = 10
+REASON_LEN = 11
+REASON = 12
 REASON_WORDS = 64
 XREASON_LEN = REASON + REASON_WORDS    # the last report of the comparison across hosts that this
 XREASON = XREASON_LEN + 1              # rank told its group's members (the same layout)
@@ -126,6 +129,20 @@ def ghash(name):
 def members_hash(ranks):
     """The MEMBERS word of a group of these world ranks."""
     return zlib.crc32(",".join(map(str, ranks)).encode()) & 0x7FFFFFFF
+
+
+KEY_BITS = 32
+
+
+def replay_wait(number, key):
+    """The REPLAY_WAIT word of a pending replay: its graph's replay ``number`` and ``key``."""
+    return (int(number) << KEY_BITS) | int(key)
+
+
+def replay_wait_fields(word):
+    """(the graph's replay number, its key) of a REPLAY_WAIT word; (0, 0) for none."""
+    w = int(word)
+    return w >> KEY_BITS, w & ((1 << KEY_BITS) - 1)
 
 
 def p2p_word(count, code, peer):

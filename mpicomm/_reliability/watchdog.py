@@ -27,7 +27,8 @@ from . import agreement as agr
 from .cross_host import CrossHostCheck
 from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DUMP, REPLAY_KEY, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+from .progress import (DUMP, REPLAY_WAIT, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+                       replay_wait, replay_wait_fields,
                        ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
@@ -61,10 +62,11 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self._xread = {}               # row -> (partner, its reads in flight, started)
         self._xtold = {}               # row -> (group, call, report) told to the members
         self._xrate = {}               # row -> (time, sequence number, the same of the round before)
-        self._replays = collections.deque()   # [event, count, when, collectives] of mpicomm.replay calls not
-        #                                       known done (event None: being launched)
-        self.graphs = {}               # REPLAY_KEY -> the collectives of that graph (mpicomm.capture)
-        self._behind = None            # ((own count, peers' counts), first seen): peers replayed more graphs
+        self._replays = collections.deque()   # [event, count, when, Captured or None] of mpicomm.replay
+        #                                       calls not known done (event None: being launched)
+        self.graphs = {}               # graph key -> its mpicomm._replay.Captured (made by mpicomm.capture)
+        self._behind = None            # (the peers' REPLAY_WAIT words, first seen): peers wait in a graph
+        #                                this rank has replayed fewer times
         self._behind_next = 0.0        # when the peers' replay counts are next read
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
@@ -152,6 +154,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         if m[DUMP] != self._dump_seen:   # a peer's report asks for this rank's stack
             self._dump_seen = m[DUMP]
             self.stacks.publish(self.stacks.take(), "asked for by a peer's timeout report")
+            if m[REPLAYS] and not self._replays and self._tick_behind(now, asked=True):
+                return   # (its peers wait in a graph this rank has not replayed: its own report)
         text = self.stacks.signalled()
         if text:
             self.stacks.publish(text, "SIGUSR1")
@@ -422,15 +426,15 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                   grace=TIMING.grace, code=code)
 
     # ------------------------------------------------------ mpicomm.replay
-    def watch_replay(self, count, collectives=None):
+    def watch_replay(self, count, cap=None):
         """A CUDA graph being replayed through mpicomm.replay (this rank's replay ``count``;
-        ``collectives``: its captured collectives in one line, or None where unknown). Returns
-        its slot, whose first item mpicomm._replay sets to a CUDA event recorded after the
-        launch: the replay is done when that event is."""
+        ``cap``: its mpicomm._replay.Captured, or None where the graph was not made by
+        mpicomm.capture). Returns its slot, whose first item mpicomm._replay sets to a CUDA
+        event recorded after the launch: the replay is done when that event is."""
         q = self._replays
         while q and q[0][0] is not None and q[0][0].done:   # (the replays before it on the stream)
             q.popleft()
-        slot = [None, count, time.monotonic(), collectives]
+        slot = [None, count, time.monotonic(), cap, replay_wait(cap.replays, cap.key) if cap is not None else 0]
         q.append(slot)
         return slot
 
@@ -442,13 +446,18 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 q.popleft()
         except Exception:   # (an event of a context that is gone)
             q.clear()
+        m = self.progress.m
+        w = q[0][4] if q else 0
+        if m[REPLAY_WAIT] != w:   # the replay waited in, for the peers (this thread owns the word)
+            m[REPLAY_WAIT] = w
         if not q or now - q[0][2] < self.timeout:
             return False
         with self._lock:
             if self.fired:
                 return True
             self.fired = True
-        _, count, t0, colls = q[0]
+        _, count, t0, cap, _ = q[0]
+        colls = cap.describe() if cap is not None else None
         me, n = self.world.ranks[self.world.rank], self.world.size
         states = self.progress.read_peers(list(range(n)))
         counts = {r: (int(st[REPLAYS]) if st is not None else None) for r, st in states.items()}
@@ -468,46 +477,50 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self._report(msg, False, [r for r in range(n) if r != me])
         return True
 
-    def _tick_behind(self, now):
-        """This rank has replayed graphs and has none pending: when its peers have replayed
-        more than it for the timeout, they wait in a graph's collective that this rank does
-        not reach: report it, naming that collective (the graph of the key the first of them
-        published). True when it fired."""
-        if now < self._behind_next:
+    def _tick_behind(self, now, asked=False):
+        """This rank has replayed graphs and has none pending: when peers wait in a replay of
+        a graph that this rank captured too (the key they publish in REPLAY_WAIT is one of its
+        own graphs) and has replayed fewer times, for about the timeout (the peers publish
+        their wait within a tick and this rank reads it every wait_check, so from the first
+        sight it gives them the timeout less wait_check), or at once when ``asked`` (a peer's
+        report asked for this rank's stack), report it, naming that graph's collectives: the
+        ranks that wait report it too. A peer waiting in a graph this rank did not capture
+        (another group's) is not this rank's to report. True when it fired."""
+        if not self.graphs or (not asked and now < self._behind_next):
             return False
         self._behind_next = now + TIMING.wait_check
-        m = self.progress.m
-        mine = int(m[REPLAYS])
         me, n = self.world.ranks[self.world.rank], self.world.size
         states = self.progress.read_peers([r for r in range(n) if r != me])
-        counts = {r: int(st[REPLAYS]) for r, st in states.items() if st is not None}
-        ahead = sorted(r for r, c in counts.items() if c > mine)
-        if not ahead:
+        waits = {}
+        for r, st in states.items():
+            if st is None or not st[REPLAY_WAIT]:
+                continue
+            number, key = replay_wait_fields(st[REPLAY_WAIT])
+            cap = self.graphs.get(key)
+            if cap is not None and cap.replays < number:
+                waits[r] = (number, cap)
+        if not waits:
             self._behind = None
             return False
-        key = (mine, tuple(sorted(counts.items())))
-        if self._behind is None or self._behind[0] != key:
-            self._behind = (key, now)
-            return False
+        seen = tuple(sorted((r, w[0], w[1].key) for r, w in waits.items()))
+        if self._behind is None or self._behind[0] != seen:
+            self._behind = (seen, now)
+            if not asked:
+                return False
         waited = now - self._behind[1]
-        if waited < self.timeout:
+        if not asked and waited < self.timeout - TIMING.wait_check:
             return False
         with self._lock:
             if self.fired:
                 return True
             self.fired = True
-        first = ahead[0]
-        gkey = int(states[first][REPLAY_KEY])
-        colls = self.graphs.get(gkey) if gkey else None
-        what = (f"a graph that holds {colls}" if colls is not None else
-                "a graph not made by mpicomm.capture (its collectives are not known)" if not gkey else
-                "a graph whose collectives this rank never captured")
-        seen = ", ".join(f"rank {r}: {c}" for r, c in sorted({**counts, me: mine}.items()))
-        msg = (f"rank {me}: rank{'s' if len(ahead) > 1 else ''} {', '.join(map(str, ahead))} replayed more CUDA "
-               f"graphs (mpicomm.replay) than this rank for {waited:.0f} s: {'they wait' if len(ahead) > 1 else 'it waits'} "
-               f"in replay {counts[first]}, {what}, which this rank has not replayed (graphs replayed so far: "
-               f"{seen}). Replay the same graphs in the same order on every rank (timeout: init(timeout=...) or "
-               f"MPICOMM_TIMEOUT, now {self.timeout:g} s)")
+        ahead = sorted(waits)
+        number, cap = waits[ahead[0]]
+        msg = (f"rank {me}: rank{'s' if len(ahead) > 1 else ''} {', '.join(map(str, ahead))} "
+               f"{'wait' if len(ahead) > 1 else 'waits'} in replay {number} (mpicomm.replay) of a CUDA graph that "
+               f"holds {cap.describe()}, which this rank has replayed {cap.replays} time(s) and is not replaying"
+               f"{' (a peer reported it)' if asked else ''}. Replay the same graphs in the same order on every rank "
+               f"(timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)")
         self._report(msg, False, [r for r in range(n) if r != me])
         return True
 
