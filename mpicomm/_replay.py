@@ -30,10 +30,11 @@ class _Record:
     collectives, key and replays on this rank, and a weak reference to it where its type
     allows one."""
 
-    __slots__ = ("collectives", "key", "replays", "ref")
+    __slots__ = ("collectives", "members", "key", "replays", "ref")
 
     def __init__(self) -> None:
         self.collectives: list[str] = []
+        self.members: frozenset[int] = frozenset()   # the world ranks of the groups of those collectives
         self.key = 0
         self.replays = 0   # mpicomm.replay calls of the graph on this rank
         self.ref: Any = None
@@ -92,12 +93,15 @@ def _groups_seq() -> dict:
     return out
 
 
-def _captured_lines(before: dict) -> list[str]:
-    """The collectives issued on each group since ``before`` (from _groups_seq), one line each."""
+def _captured_lines(before: dict, members: set) -> list[str]:
+    """The collectives issued on each group since ``before`` (from _groups_seq), one line each;
+    their groups' world ranks are added to ``members``."""
     lines = []
     for g, seq in _groups_seq().items():
         d = g.disp
         first = before.get(g, 0) + 1
+        if first <= d.seq:
+            members.update(g.ranks)
         ring = d.fr
         for s in range(first, d.seq + 1):
             e = ring[s & (len(ring) - 1)] if ring else None
@@ -178,7 +182,9 @@ def capture(graph: Any = None, stream: Any = None, **torch_graph_kwargs: Any) ->
             finally:
                 cap.graph = stream.end_capture()
     rec = cap._rec
-    rec.collectives = _captured_lines(before)
+    members: set = set()
+    rec.collectives = _captured_lines(before, members)
+    rec.members = frozenset(members)
     if rec.collectives:
         rec.key = 1 + (zlib.crc32(rec.describe().encode()) & 0x3FFFFFFF)
     _remember(cap)

@@ -160,6 +160,28 @@ def test_rank_that_stops_replaying_is_named_with_the_graphs_collective(where):
             assert "rank 1 replayed fewer graphs" in line, line
 
 
+def test_a_graph_of_another_group_is_not_reported_by_a_non_member():
+    """3 ranks on the CPU double: all replay a graph of the world once; ranks 0 and 1 then
+    replay a graph of their group "pair", and rank 1 stops. Ranks 0 and 1 report that
+    graph's collective (on group 'pair'); rank 2, which never captured it and is not in the
+    group, reports nothing of its own (it sleeps until the job is ended)."""
+    if not _no_cuda():
+        pytest.skip("CUDA is here: the double's handles must not reach the driver")
+    argv = mpirun_argv(3, WORKER, "replay_pair", "--double")
+    p, took = run_job(argv, clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT)}), TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + SLACK, (took, p.stderr)
+    got = results(p)
+    assert sorted(got) == [0, 1] and got[0] == got[1], got
+    coll = got[0][0].split("| ", 1)[1]
+    assert re.fullmatch(r"all_reduce sequence 3 on group 'pair' \(shape \(4,\), dtype float32\)", coll), coll
+    for r in (0, 1):
+        m = re.search(rf"^\[mpicomm rank {r}\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+        assert m and coll in m.group(1), p.stderr
+    assert "rank 1: rank 0 waits in replay 2 (mpicomm.replay) of a CUDA graph that holds " + coll in p.stderr
+    assert "; rank 1 replayed fewer graphs: a collective captured in this one waits for it" in p.stderr   # not rank 2
+    assert not re.search(r"^\[mpicomm rank 2\] CollectiveTimeoutError", p.stderr, re.M), p.stderr
+
+
 def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
     """Rank 1 of 3 writes its record and skips the third all_reduce: ranks 0 and 2 report the
     timeout and write theirs; rank 0's report ends with the file's path, and mpicomm-trace on

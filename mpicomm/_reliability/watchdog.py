@@ -461,7 +461,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         me, n = self.world.ranks[self.world.rank], self.world.size
         states = self.progress.read_peers(list(range(n)))
         counts = {r: (int(st[REPLAYS]) if st is not None else None) for r, st in states.items()}
-        fewer = [r for r, c in counts.items() if c is not None and c < count]
+        fewer = [r for r, c in counts.items() if c is not None and c < count
+                 and (cap is None or not cap.members or r in cap.members)]   # (the graph's groups only)
         seen = ", ".join(f"rank {r}: {'unknown' if c is None else c}" for r, c in counts.items())
         why = (f"rank{'s' if len(fewer) > 1 else ''} {', '.join(map(str, fewer))} replayed fewer graphs: "
                "a collective captured in this one waits for {}".format("them" if len(fewer) > 1 else "it")
