@@ -13,7 +13,7 @@ from ._backends.base import Work
 from ._objects import (all_gather_object, broadcast_object, gather_object, recv_object, scatter_object,
                        send_object)
 from ._reliability.flight import dump_flight_record
-from ._replay import replay
+from ._replay import Captured, capture, replay
 from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
                      get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_rank,
                      get_world_rank_from_group_rank, init, is_initialized)
@@ -52,7 +52,7 @@ __all__ = [
     "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
     "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-    "send", "recv", "barrier", "dump_flight_record", "replay",
+    "send", "recv", "barrier", "dump_flight_record", "replay", "capture", "Captured",
     "gather", "scatter", "sendrecv", "batch", "P2POp", "batch_isend_irecv", "AllGatherV", "ReduceScatterV",
     "all_gather_object", "broadcast_object", "gather_object", "scatter_object", "send_object", "recv_object",
     "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",

@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
 """Training steps per second: mpicomm.torch.DistributedDataParallel against PyTorch's
-DistributedDataParallel (NCCL on GPUs, gloo on the CPU) and the same model with no
-communication at all (the floor), in the same job, interleaved.
+DistributedDataParallel (gradient_as_bucket_view=True; NCCL on GPUs, gloo on the CPU) and
+the same model with no communication at all (the floor), in the same job, interleaved.
 
-    mpicomm-run -n 4 python scripts/bench_ddp.py                      # ResNet-50 and GPT-2 small, on GPUs
-    mpicomm-run -n 2 python scripts/bench_ddp.py --model small --steps 3 --warmup 1 --rounds 1 --check-steps 3
+    mpicomm-run -n 4 python scripts/bench_ddp.py --overlap-step      # ResNet-50 and GPT-2 small, on GPUs
+    mpicomm-run -n 2 python scripts/bench_ddp.py --model small,gpt2 --tiny --steps 3 --warmup 1 --rounds 1
 
 Models: torchvision's ResNet-50 (its own copy of the architecture where torchvision is
-missing), batch 64 per GPU at 224x224; a GPT-2 small sized transformer (12 layers, 768
-wide, 12 heads, 50257 tokens, 1024 positions) built from its configuration with random
-weights, batch 8 x 1024 tokens; "small" (a tiny conv net, for a CPU smoke test). Synthetic
-data, different on every rank; bf16 autocast on GPUs; SGD with momentum.
+missing), batch 64 per GPU at 224x224; Hugging Face's GPT2LMHeadModel with GPT-2 small's
+configuration (12 layers, 768 wide, 12 heads, 50257 tokens, 1024 positions; dropout off),
+random weights, batch 8 x 1024 tokens (an own GPT-2 of the same shape where transformers is
+missing); "small" (a tiny conv net, for a CPU smoke test). --tiny shrinks GPT-2 (2 layers,
+64 wide, 512 tokens, 32 positions) and ResNet-50's images (32x32, batch 4) for the CPU.
+Synthetic data, different on every rank; bf16 autocast on GPUs; SGD with momentum.
+
+The table gives each mode's median step time over the rounds (each round's time is the
+slowest rank's mean over --steps steps) and its exposed time, the step time above the
+floor's, as a share of the floor. --overlap-step also times mpicomm with the optimizer
+applied bucket by bucket as each bucket's reduction lands (DistributedDataParallel(...,
+optimizer=opt, overlap_step=True)). After timing, every communicating mode's parameters
+must be identical on every rank (a CRC of their bytes, compared), or the script exits 1.
 
 Before timing, an mpicomm-wrapped and a DDP-wrapped copy of each model train
 --check-steps steps from the same seed on the same data, in float32 with deterministic kernels;
@@ -88,6 +97,30 @@ def resnet50():
         return ResNet50(), "ResNet-50 (own copy: torchvision missing)"
 
 
+class HFLogits(nn.Module):
+    """A Hugging Face causal LM whose forward returns the logits only (what the loss takes)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def gpt2(tiny=False):
+    shape = dict(vocab=512, ctx=32, d=64, layers=2, heads=2) if tiny else dict(vocab=50257, ctx=1024, d=768,
+                                                                                 layers=12, heads=12)
+    size = "tiny" if tiny else "small (124M)"
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return GPT(**shape), f"GPT-2 {size}, own copy from its configuration (transformers missing)"
+    cfg = GPT2Config(vocab_size=shape["vocab"], n_positions=shape["ctx"], n_embd=shape["d"], n_layer=shape["layers"],
+                     n_head=shape["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return HFLogits(GPT2LMHeadModel(cfg)), f"transformers.GPT2LMHeadModel, GPT-2 {size} configuration"
+
+
 class Block(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -158,9 +191,10 @@ def cases(args):
         return F.cross_entropy(out.float().flatten(0, -2) if out.dim() > 2 else out.float(), y.flatten())
 
     out = {}
-    out["resnet50"] = Case("resnet50", resnet50, args.batch or 64, image_data(args.batch or 64, 224, 1000), ce)
-    out["gpt2"] = Case("gpt2", lambda: (GPT(), "GPT-2 small (124M) from its configuration"),
-                       args.batch or 8, token_data(args.batch or 8, args.seq, 50257), ce)
+    rb, size = (args.batch or 4, 32) if args.tiny else (args.batch or 64, 224)
+    out["resnet50"] = Case("resnet50", resnet50, rb, image_data(rb, size, 1000), ce)
+    gb, seq, vocab = (args.batch or 2, min(args.seq, 32), 512) if args.tiny else (args.batch or 8, args.seq, 50257)
+    out["gpt2"] = Case("gpt2", lambda: gpt2(args.tiny), gb, token_data(gb, seq, vocab), ce)
     out["small"] = Case("small", lambda: (Small(), "a small conv net"), args.batch or 16,
                         image_data(args.batch or 16, 16, 10), ce)
     return out
@@ -173,12 +207,16 @@ def make(case, mode, device, args, cap=None):
     model, desc = case.make()
     model = model.to(device)
     cap = args.bucket_cap_mb if cap is None else cap
+    if mode == "mpicomm_step":   # the optimizer applied bucket by bucket during backward
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, optimizer=opt, overlap_step=True)
+        return model, opt, desc
     if mode in ("mpicomm", "mpicomm_dense"):
         emb = "all_reduce" if mode == "mpicomm_dense" else "auto"
         model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, embedding_grads=emb)
     elif mode == "ddp":
         kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
-        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, **kw)
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=True, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return model, opt, desc
 
@@ -186,6 +224,8 @@ def make(case, mode, device, args, cap=None):
 def step_fn(case, model, opt, device, batches, amp=None):
     amp = device.type == "cuda" if amp is None else amp
     it = [0]
+    # overlap_step: backward has applied the update (opt.step() would raise)
+    stepped = getattr(model, "overlap_step", False) is True
 
     def step():
         x, y = batches[it[0] % len(batches)]
@@ -194,7 +234,8 @@ def step_fn(case, model, opt, device, batches, amp=None):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = model(x)
         case.loss(out, y).backward()
-        opt.step()
+        if not stepped:
+            opt.step()
 
     return step
 
@@ -204,9 +245,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def params_of(model):
+def params_of(model, raw=False):
     m = model.module if hasattr(model, "module") else model
-    return [p.detach().float() for p in m.parameters()]
+    return [p.detach() if raw else p.detach().float() for p in m.parameters()]
 
 
 def _rel(a, b):
@@ -214,6 +255,17 @@ def _rel(a, b):
     num = sum(float((x - y).double().pow(2).sum()) for x, y in zip(a, b))
     den = sum(float(y.double().pow(2).sum()) for y in b)
     return (num / den) ** 0.5 if den else 0.0
+
+
+def same_on_every_rank(model, comm):
+    """Whether the model's parameters are bit for bit the same on every rank (a CRC of each
+    parameter's bytes, gathered and compared)."""
+    import zlib
+
+    crc = 0
+    for p in params_of(model, raw=True):
+        crc = zlib.crc32(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes(), crc)
+    return len(set(comm.allgather(crc))) == 1
 
 
 def check(case, device, args, batches):
@@ -237,9 +289,9 @@ def check(case, device, args, batches):
     try:
         runs = {}
         with math_sdpa:
-            for mode in ("mpicomm", "ddp", "ddp2"):
+            for mode in ("mpicomm", "ddp", "ddp2") + (("mpicomm_step",) if args.overlap_step else ()):
                 # ddp2: DDP with buckets a quarter the size, so NCCL sums in another order
-                model, opt, _ = make(case, mode[:3] if mode == "ddp2" else mode, device, args,
+                model, opt, _ = make(case, "ddp" if mode == "ddp2" else mode, device, args,
                                      cap=args.bucket_cap_mb / 4 if mode == "ddp2" else None)
                 st = step_fn(case, model, opt, device, batches, amp=False)
                 for _ in range(args.check_steps):
@@ -249,7 +301,9 @@ def check(case, device, args, batches):
                 del model, opt
         start = params_of(make(case, "none", device, args)[0])
         moved = _rel(runs["ddp"], start)
-        return _rel(runs["mpicomm"], runs["ddp"]), _rel(runs["ddp2"], runs["ddp"]), moved
+        # the overlapped step against mpicomm's unfused one: the same reduction and update, so 0
+        step = _rel(runs["mpicomm_step"], runs["mpicomm"]) if "mpicomm_step" in runs else None
+        return _rel(runs["mpicomm"], runs["ddp"]), _rel(runs["ddp2"], runs["ddp"]), moved, step
     finally:
         (torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32,
          torch.backends.cuda.matmul.allow_tf32) = saved
@@ -272,7 +326,8 @@ def time_modes(case, device, args, batches, modes, comm):
             sync(device)
             dt = (time.perf_counter() - t0) / args.steps
             per[m].append(comm.allreduce(dt, op=MAX))  # the slowest rank's time is the step's
-    return {m: per[m] for m in modes}, built[modes[0]][2]
+    same = {m: same_on_every_rank(built[m][0], comm) for m in modes if m != "none"}
+    return {m: per[m] for m in modes}, built[modes[0]][2], same
 
 
 # ---------------------------------------------------------------- main
@@ -292,13 +347,21 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both wrappers' bucket cap (25)")
     p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm, mpicomm_dense "
-                   "(mpicomm with embedding_grads='all_reduce': DDP's way for embeddings) to time")
+                   "(mpicomm with embedding_grads='all_reduce': DDP's way for embeddings), mpicomm_step (the "
+                   "overlapped optimizer step) to time")
+    p.add_argument("--overlap-step", action="store_true", help="also time mpicomm_step: the optimizer applied "
+                   "bucket by bucket as each reduction lands (overlap_step=True), and check it against mpicomm's "
+                   "unfused step")
+    p.add_argument("--tiny", action="store_true", help="tiny GPT-2 and ResNet-50 inputs (a CPU smoke test)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("none", "ddp", "mpicomm", "mpicomm_dense")]
+    if args.overlap_step and "mpicomm_step" not in modes:
+        modes.append("mpicomm_step")
+    args.overlap_step = "mpicomm_step" in modes
+    bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        p.error(f"--modes {args.modes}: expected some of none, ddp, mpicomm, mpicomm_dense")
+        p.error(f"--modes {args.modes}: expected some of {', '.join(MODES)}")
 
     mpicomm.init()
     backend = mt.init_process_group()  # torch.distributed for DDP: nccl on GPUs, gloo on the CPU
@@ -326,25 +389,31 @@ def main(argv=None):
         case = allc[nm]
         gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
         batches = [case.data(gen, device) for _ in range(2)]
+        step_diff = None
         if args.check_steps > 0 and "ddp" in modes and "mpicomm" in modes:
-            worst, floor, moved = check(case, device, args, batches)
+            worst, floor, moved, step_diff = check(case, device, args, batches)
             worst, floor = comm.allreduce(worst, op=MAX), comm.allreduce(floor, op=MAX)
             # within the tolerance, or no further from DDP than DDP is from itself when only
             # the reduction order changes (ResNet-50 on 4 GPUs: 1.8e-2 after 10 steps)
             ok = moved > 0 and (worst <= args.tolerance or worst <= 2 * floor)
+            if step_diff is not None:   # the overlapped step: the unfused step's parameters exactly
+                step_diff = comm.allreduce(step_diff, op=MAX)
+                ok = ok and step_diff == 0
             failed |= not ok
         else:
             worst, floor, moved, ok = None, None, None, None
-        per, desc = time_modes(case, device, args, batches, modes, comm)
+        per, desc, same = time_modes(case, device, args, batches, modes, comm)
+        failed |= not all(same.values())
         med = {m: sorted(v)[len(v) // 2] for m, v in per.items()}
         r = {"model": desc, "batch_per_rank": case.batch, "ms_per_step": {m: med[m] * 1e3 for m in modes},
              "rounds_ms": {m: [t * 1e3 for t in v] for m, v in per.items()}, "check_steps": args.check_steps,
              "rel_param_diff_vs_ddp": worst, "rel_param_diff_ddp_vs_ddp": floor, "rel_param_change": moved,
-             "check_ok": ok}
+             "rel_param_diff_step_vs_unfused": step_diff, "check_ok": ok, "same_params_on_every_rank": same}
         if "none" in modes:
-            for m in ("ddp", "mpicomm", "mpicomm_dense"):
+            for m in COMM_MODES:
                 if m in modes:
                     r[f"{m}_exposed_ms"] = (med[m] - med["none"]) * 1e3
+                    r[f"{m}_exposed_share_of_floor"] = (med[m] - med["none"]) / med["none"]
         if "ddp" in modes and "mpicomm" in modes:
             r["speedup_vs_ddp"] = med["ddp"] / med["mpicomm"]
             if "none" in modes and med["ddp"] > med["none"]:
@@ -353,30 +422,37 @@ def main(argv=None):
                     r["dense_exposed_ratio"] = (med["mpicomm_dense"] - med["none"]) / (med["ddp"] - med["none"])
         results["models"][nm] = r
     if rank == 0:
-        print(f"# bench_ddp: {where}, torch {torch.__version__}, mpicomm {mpicomm.get_backend()}, DDP {backend}, "
-              f"bucket cap {args.bucket_cap_mb:g} MiB, {args.steps} steps x {args.rounds} rounds (median), "
-              f"{results['date']}")
-        print("| model | batch/rank | no comm ms | DDP ms | mpicomm ms | mpicomm/DDP exposed | speedup vs DDP "
-              "| steps/s DDP | steps/s mpicomm | param diff vs DDP |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        cols = [m for m in COMM_MODES if m in modes]
+        print(f"# bench_ddp: {where}, torch {torch.__version__}, mpicomm {mpicomm.get_backend()}, DDP {backend} "
+              f"(gradient_as_bucket_view), bucket cap {args.bucket_cap_mb:g} MiB, {args.steps} steps x "
+              f"{args.rounds} rounds (median), {results['date']}")
+        print("| model | batch/rank | floor ms | " + " | ".join(f"{LABEL[m]} ms (exposed, of floor)" for m in cols)
+              + " | mpicomm/DDP exposed | same params on all ranks | param diff vs DDP |")
+        print("|---|---:|---:|" + "---:|" * len(cols) + "---:|---|---|")
         for nm, r in results["models"].items():
             ms = r["ms_per_step"]
 
             def cell(m):
                 if m not in ms:
                     return "-"
-                extra = f" (+{(ms[m] / ms['none'] - 1) * 100:.1f} %)" if "none" in ms and m != "none" else ""
-                return f"{ms[m]:.2f}{extra}"
+                if "none" not in ms:
+                    return f"{ms[m]:.2f}"
+                return f"{ms[m]:.2f} ({(ms[m] / ms['none'] - 1) * 100:+.1f} %)"
 
-            ratio, diff, sp = r.get("exposed_ratio"), r["rel_param_diff_vs_ddp"], r.get("speedup_vs_ddp")
-            rate = {m: ("-" if m not in ms else f"{1e3 / ms[m]:.1f}") for m in ("ddp", "mpicomm")}
+            ratio, diff = r.get("exposed_ratio"), r["rel_param_diff_vs_ddp"]
             floor = r["rel_param_diff_ddp_vs_ddp"]
-            verdict = "-" if diff is None else (f"{diff:.1e} (DDP, other buckets: {floor:.1e}) "
-                                                + ("ok" if r["check_ok"] else "FAIL"))
-            print(f"| {nm} | {r['batch_per_rank']} | {cell('none')} | {cell('ddp')} | {cell('mpicomm')} | "
-                  f"{'-' if ratio is None else format(ratio, '.2f')} | {'-' if sp is None else format(sp, '.3f')} | "
-                  f"{rate['ddp']} | {rate['mpicomm']} | {verdict} |")
+            verdict = "-" if diff is None else (f"{diff:.1e} (DDP, other buckets: {floor:.1e})"
+                                                + ("" if r["rel_param_diff_step_vs_unfused"] is None else
+                                                   f"; overlapped step vs unfused {r['rel_param_diff_step_vs_unfused']:.1e}")
+                                                + (" ok" if r["check_ok"] else " FAIL"))
+            same = r["same_params_on_every_rank"]
+            print(f"| {nm} | {r['batch_per_rank']} | {format(ms['none'], '.2f') if 'none' in ms else '-'} | "
+                  + " | ".join(cell(m) for m in cols)
+                  + f" | {'-' if ratio is None else format(ratio, '.2f')} | "
+                  + ("yes" if all(same.values()) else "NO: " + ", ".join(m for m, v in same.items() if not v))
+                  + f" | {verdict} |")
         for nm, r in results["models"].items():
+            print(f"# {nm}: {r['model']}, batch {r['batch_per_rank']} per rank")
             if "mpicomm_dense" in r["ms_per_step"]:
                 dr = r.get("dense_exposed_ratio")
                 print(f"# {nm}: mpicomm with embedding_grads='all_reduce' {r['ms_per_step']['mpicomm_dense']:.2f} ms"
@@ -388,7 +464,8 @@ def main(argv=None):
         if failed:
             print(f"# FAIL: parameters after {args.check_steps} steps differ from DDP's by more than "
                   f"{args.tolerance:g} (relative) and by more than twice DDP's own difference with other "
-                  "buckets, or did not move", file=sys.stderr)
+                  "buckets, or did not move, or the overlapped step's differ from the unfused step's, or a "
+                  "mode's parameters differ between ranks", file=sys.stderr)
     comm.Barrier()
     import torch.distributed as dist
 
@@ -397,6 +474,10 @@ def main(argv=None):
 
 
 MAX = None
+MODES = ("none", "ddp", "mpicomm", "mpicomm_dense", "mpicomm_step")
+COMM_MODES = ("ddp", "mpicomm", "mpicomm_dense", "mpicomm_step")   # the table's column order
+LABEL = {"ddp": "torch DDP", "mpicomm": "mpicomm", "mpicomm_dense": "mpicomm dense emb.",
+         "mpicomm_step": "mpicomm overlapped step"}
 
 if __name__ == "__main__":
     sys.exit(main())

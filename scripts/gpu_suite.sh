@@ -2,6 +2,7 @@
 # Every GPU test and benchmark in one call, for a lent multi-GPU machine (no package
 # registry there: run from the source tree; missing test plugins come as wheels in .whl/).
 #   scripts/gpu_suite.sh [all|core|tests|smoke|bench|train|faults|doctor|profile|bench8|buckets|sweep|torch|quick|verify|reducer|ddp|embed|agree|rows4|tags|session|percall|pertable|capture|checkcost]...
+#   scripts/gpu_suite.sh step36   (only when named) issue 36's GPU tests and bench_ddp --overlap-step
 #   scripts/gpu_suite.sh rehearsal   (only when named; root) the two-host rehearsal, GPUs split
 #                                    between two namespace hosts: scripts/gpu_cluster_rehearsal.sh
 #   scripts/gpu_suite.sh rehearsal-bind   (only when named; root) its hosts' doctor --net with Open
@@ -254,6 +255,16 @@ if want percall; then  # where a call's time goes (scripts/profile_percall.py), 
             --backend nccl --compare --coll all_reduce -b 64M -e 64M -n 0 --target-time 0.3 -w 5 --rounds 4
         grep -a -E "^ +all_reduce +67108864 " "$LOG" | tail -2 >>"$SUM"
     done
+fi
+if [[ " ${SECTIONS[*]} " == *" step36 "* ]]; then  # issue 36 (named only, about 4 min): graph replays watched,
+    # the overlapped optimizer step, bench_ddp with it at 4 and 2 GPUs
+    step "h36-gpu-tests-np2" 150 env CUDA_VISIBLE_DEVICES=0,1 "${MPI[@]}" 2 -x CUDA_VISIBLE_DEVICES "${PYT[@]}" -rfE \
+        tests/test_gpu_capture.py tests/test_gpu_torch.py -k "capture or replay or overlapped"
+    grep -a -E "^[0-9]+ (passed|failed)|^FAILED|^ERROR| failed" "$LOG" | tail -6 >>"$SUM"
+    step "h36-replay-faults" 120 env CUDA_VISIBLE_DEVICES=0,1 "$PY" -m pytest -q -p no:cacheprovider --color=no -rfE \
+        tests/test_faults.py -k replay
+    grep -a -E "^[0-9]+ (passed|failed)|^FAILED|^ERROR" "$LOG" | tail -4 >>"$SUM"
+    bench_ddp 4 150 --steps 15 --warmup 5 --overlap-step
 fi
 # The rehearsal splits CUDA_VISIBLE_DEVICES' GPUs where it is set, else all of them.
 RGPU=$NGPU; [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && RGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)

@@ -11,7 +11,9 @@ import time
 import numpy as np
 
 MODE = sys.argv[1]
-GPU = "--gpu" in sys.argv
+GPU = "--gpu" in sys.argv or "--double" in sys.argv
+if "--double" in sys.argv:   # the NCCL backend over tests/fakecupy (the CPU double of CuPy)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecupy"))
 
 
 def connect_pair(mpicomm, x, r):
@@ -185,6 +187,56 @@ def main():
                 continue
             mpicomm.replay(g, s)
             s.synchronize()
+        say("finished")
+    elif MODE == "replay_stop":  # a graph of one all_reduce made by mpicomm.capture; rank 1 stops replaying
+        import cupy
+
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            x = arr(rng.standard_normal(4).astype(np.float32))
+            out = cupy.empty(4, np.float32)
+            mpicomm.all_reduce(x, out=out)
+            s.synchronize()
+        with mpicomm.capture(stream=s) as cap:
+            mpicomm.all_reduce(x, out=out)
+        say("captured", "|", cap.describe())
+        for i in range(3):
+            if i == 1 and r == 1:
+                time.sleep(120)
+                continue
+            mpicomm.replay(cap.graph, s)
+            s.synchronize()
+        say("finished")
+    elif MODE == "replay_pair":  # every rank replays a graph of the world once; ranks 0 and 1 then replay a
+        # graph of their group "pair", and rank 1 stops after its first replay; rank 2 never captured that graph
+        import cupy
+
+        mpicomm.create_group("pair", [0, 1])
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            x = arr(rng.standard_normal(4).astype(np.float32))
+            out = cupy.empty(4, np.float32)
+            mpicomm.all_reduce(x, out=out)
+            s.synchronize()
+        with mpicomm.capture(stream=s) as w:
+            mpicomm.all_reduce(x, out=out)
+        mpicomm.replay(w.graph, s)
+        s.synchronize()
+        if r < 2:
+            with s:
+                mpicomm.all_reduce(x, out=out, group="pair")
+                s.synchronize()
+            with mpicomm.capture(stream=s) as cap:
+                mpicomm.all_reduce(x, out=out, group="pair")
+            say("captured", "|", cap.describe())
+            for i in range(3):
+                if i == 1 and r == 1:
+                    time.sleep(120)
+                    continue
+                mpicomm.replay(cap.graph, s)
+                s.synchronize()
+        else:
+            time.sleep(120)
         say("finished")
     elif MODE == "flight_skip":  # as "skip", but rank 1 writes its flight record before it stalls
         x = arr(rng.standard_normal(4).astype(np.float32))

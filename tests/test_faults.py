@@ -108,6 +108,80 @@ def test_replay_that_a_rank_skips_names_it(gpu):
     assert "rank 1 replayed fewer graphs" in m.group(1) and "rank 0: 2, rank 1: 1" in m.group(1), m.group(1)
 
 
+def _no_cuda():
+    """True where neither a CUDA driver nor a real CuPy is here: where the double runs (its
+    handles must never reach the driver; tests/test_nccl_double.py skips alike)."""
+    import ctypes
+    import importlib.util
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return False
+    except OSError:
+        return importlib.util.find_spec("cupy") is None
+
+
+DOUBLE = pytest.param("double", id="nccl-double",   # the NCCL backend over tests/fakecupy, on the CPU
+                      marks=pytest.mark.skipif(not _no_cuda(), reason="CUDA is here: the GPU variant runs"))
+GPU_FLAG = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")],
+                        id="nccl-gpu")
+
+
+@pytest.mark.parametrize("where", [DOUBLE, GPU_FLAG])
+def test_rank_that_stops_replaying_is_named_with_the_graphs_collective(where):
+    """Every rank replays a graph of one all_reduce made by mpicomm.capture; rank 1 stops
+    after the first replay (3 ranks on the CPU double, 2 on GPUs). Every rank's report,
+    within the timeout, names the graph's collective: the replaying ranks' (their replay 2
+    did not complete; rank 1 replayed fewer graphs) and rank 1's own (its peers wait in the
+    second replay of a graph it replayed once: by itself, or when their report asks)."""
+    n = 3 if where == "double" else 2
+    argv = mpirun_argv(n, WORKER, "replay_stop", f"--{where}")
+    p, took = run_job(argv, clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT)}), TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + SLACK, (took, p.stderr)
+    got = results(p)
+    assert "finished" not in str(got), got
+    caps = {r: v[0] for r, v in got.items()}
+    assert sorted(caps) == list(range(n)) and len(set(caps.values())) == 1, got
+    coll = caps[0].split("| ", 1)[1]
+    assert re.fullmatch(r"all_reduce sequence \d+ on group 'world' \(shape \(4,\), dtype float32\)", coll), coll
+    for r in range(n):
+        m = re.search(rf"^\[mpicomm rank {r}\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+        assert m, p.stderr
+        line = m.group(1)
+        assert coll in line, line
+        if r == 1:
+            ahead = ", ".join(str(q) for q in range(n) if q != 1)
+            assert line.startswith(f"rank 1: rank{'s' if n > 2 else ''} {ahead} wait{'' if n > 2 else 's'} in "
+                                   "replay 2 (mpicomm.replay) of a CUDA graph that holds "), line
+            assert "which this rank has replayed 1 time(s) and is not replaying" in line, line
+        else:
+            assert line.startswith(f"rank {r}: the CUDA graph of this rank's replay 2 (mpicomm.replay) did not "
+                                   "complete"), line
+            assert "rank 1 replayed fewer graphs" in line, line
+
+
+def test_a_graph_of_another_group_is_not_reported_by_a_non_member():
+    """3 ranks on the CPU double: all replay a graph of the world once; ranks 0 and 1 then
+    replay a graph of their group "pair", and rank 1 stops. Ranks 0 and 1 report that
+    graph's collective (on group 'pair'); rank 2, which never captured it and is not in the
+    group, reports nothing of its own (it sleeps until the job is ended)."""
+    if not _no_cuda():
+        pytest.skip("CUDA is here: the double's handles must not reach the driver")
+    argv = mpirun_argv(3, WORKER, "replay_pair", "--double")
+    p, took = run_job(argv, clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT)}), TIMEOUT + 60)
+    assert p.returncode != 0 and took < TIMEOUT + SLACK, (took, p.stderr)
+    got = results(p)
+    assert sorted(got) == [0, 1] and got[0] == got[1], got
+    coll = got[0][0].split("| ", 1)[1]
+    assert re.fullmatch(r"all_reduce sequence 3 on group 'pair' \(shape \(4,\), dtype float32\)", coll), coll
+    for r in (0, 1):
+        m = re.search(rf"^\[mpicomm rank {r}\] CollectiveTimeoutError: (.*)$", p.stderr, re.M)
+        assert m and coll in m.group(1), p.stderr
+    assert "rank 1: rank 0 waits in replay 2 (mpicomm.replay) of a CUDA graph that holds " + coll in p.stderr
+    assert "; rank 1 replayed fewer graphs: a collective captured in this one waits for it" in p.stderr   # not rank 2
+    assert not re.search(r"^\[mpicomm rank 2\] CollectiveTimeoutError", p.stderr, re.M), p.stderr
+
+
 def test_timeout_writes_flight_records_that_show_the_missing_call(tmp_path):
     """Rank 1 of 3 writes its record and skips the third all_reduce: ranks 0 and 2 report the
     timeout and write theirs; rank 0's report ends with the file's path, and mpicomm-trace on

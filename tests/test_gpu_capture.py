@@ -219,3 +219,63 @@ def test_replay_through_mpicomm_is_counted_and_checked(nccl, kind):
     if wrong is not None:
         with pytest.raises(mpicomm.InvalidArgumentError, match="stream"):
             mpicomm.replay(g, wrong)
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_capture_names_its_collectives(nccl, kind):
+    """mpicomm.capture (torch.cuda.graph, or a CuPy stream capture) notes the collectives it
+    captured, alike on every rank (the key), and mpicomm.replay publishes that key with its
+    count; each replay's results are checked (rank-seeded data). A rank that stops replaying
+    such a graph: test_faults.py::test_rank_that_stops_replaying_is_named_with_the_graphs_collective."""
+    from mpicomm._reliability.progress import REPLAY_KEY, REPLAYS
+    from mpicomm._state import CTX
+
+    n, r, k = *nccl, 3
+    m = CTX.reliability.progress.m
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        x = torch.from_numpy(parts(n, 0, k)[r]).to(dev)
+        mpicomm.all_reduce(x.clone())
+        mpicomm.all_gather(x.clone())
+        torch.cuda.synchronize()
+        seq = CTX.world.disp.seq
+        with mpicomm.capture(torch.cuda.CUDAGraph()) as cap:
+            red = mpicomm.all_reduce(x)
+            gat = mpicomm.all_gather(x)
+        put = lambda a: x.copy_(torch.from_numpy(a).to(dev))   # noqa: E731
+        get = lambda t: t.cpu().numpy()                          # noqa: E731
+        sync, stream = torch.cuda.synchronize, None
+    else:
+        import cupy as cp
+
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            x = cp.asarray(parts(n, 0, k)[r])
+            red, gat = cp.empty(k * n, cp.float32), cp.empty(k * n * n, cp.float32)
+            mpicomm.all_reduce(x, out=red)
+            mpicomm.all_gather(x, out=gat)
+            s.synchronize()
+        seq = CTX.world.disp.seq
+        with mpicomm.capture(stream=s) as cap:
+            mpicomm.all_reduce(x, out=red)
+            mpicomm.all_gather(x, out=gat)
+
+        def put(a):
+            with s:
+                x[...] = cp.asarray(a)
+        get, sync, stream = cp.asnumpy, s.synchronize, s
+    assert [c.split(" (")[0] for c in cap.collectives] == [f"all_reduce sequence {seq + 1} on group 'world'",
+                                                          f"all_gather sequence {seq + 2} on group 'world'"], cap.collectives
+    assert all(f"shape ({k * n},), dtype float32" in c for c in cap.collectives), cap.collectives
+    keys = mpicomm.all_gather(np.array([cap.key], np.int64))
+    assert cap.key > 0 and (keys == cap.key).all(), keys
+    for rep in range(1, 4):
+        p = parts(n, rep, k)
+        put(p[r])
+        before = int(m[REPLAYS])
+        mpicomm.replay(cap.graph, stream)
+        assert int(m[REPLAYS]) == before + 1 and int(m[REPLAY_KEY]) == cap.key
+        sync()
+        np.testing.assert_allclose(get(red), np.sum(p, axis=0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(get(gat), np.concatenate(p), rtol=1e-5, atol=1e-5)

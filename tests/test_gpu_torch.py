@@ -145,3 +145,15 @@ def test_embedding_grads_direct_path_cuda(cuda, direct_low):
     """The tied table's gradient taken from autograd's tensor (direct path), rows gathered."""
     model, seen = tt.check_embedding_grads(cuda, "all_gather")
     assert any(b.direct for b in model.reducer._buckets)
+
+
+@pytest.mark.parametrize("plan", ["per_tensor", "small"])
+@pytest.mark.parametrize("which", ["sgd", "sgd_momentum", "adamw", "adamw_groups"])
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_overlapped_step_equals_the_unfused_step_cuda(cuda, which, plan):
+    """DistributedDataParallel(optimizer=opt, overlap_step=True) on CUDA tensors: each bucket
+    updated on a stream of its own after its reduction; the same parameters and optimizer
+    state as optimizer.step() after the reduction, on every rank (test_torch_step.py)."""
+    import test_torch_step as ts
+
+    ts.check_overlapped_equals_unfused(cuda, which, ts.PLANS[plan], zero_to_none=(plan != "small"))

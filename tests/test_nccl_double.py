@@ -632,3 +632,60 @@ def test_blocking_calls_run_compiled(cp, request):
             close(got.get(), full)
         for code in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE):
             assert type(d.last[code].run).__name__ == "NcclRun", (code, d.last[code].run)
+
+
+# ----------------------------------------------------------------------- CUDA graphs (the double's capture)
+def test_capture_names_its_collectives_and_replays(cp, request):
+    """mpicomm.capture on a CuPy stream records the calls the double's NCCL captured; each
+    mpicomm.replay runs them on the arrays' current contents (rank-seeded data, NumPy's sums
+    and concatenations), counts the replay with the graph's key in the progress window, and
+    the capture's lines name each captured collective, alike on every rank."""
+    from mpicomm._reliability.progress import REPLAY_KEY, REPLAYS
+    from mpicomm._state import CTX
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    m = CTX.reliability.progress.m
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:   # (the arrays written on the stream that reads them: no race in the double's model)
+        x = cp.asarray(data(r, request.node.name, (3, 2), "float32"))
+        out, gat = cp.empty((3, 2), np.float32), cp.empty((3 * n, 2), np.float32)
+        mpicomm.all_reduce(x, out=out)        # prepared before the capture
+        mpicomm.all_gather(x, out=gat)
+    seq = CTX.world.disp.seq
+    with mpicomm.capture(stream=s) as cap:
+        mpicomm.all_reduce(x, out=out)
+        mpicomm.all_gather(x, out=gat)
+    assert cap.collectives == [f"all_reduce sequence {seq + 1} on group 'world' (shape (3, 2), dtype float32)",
+                               f"all_gather sequence {seq + 2} on group 'world' (shape (3, 2), dtype float32)"], \
+        cap.collectives
+    keys = mpicomm.all_gather(np.array([cap.key], np.int64))
+    assert cap.key > 0 and (keys == cap.key).all(), keys
+    for rep in range(1, 4):
+        xs = [data(q, f"{request.node.name}{rep}", (3, 2), "float32") for q in range(n)]
+        with s:
+            x[...] = cp.asarray(xs[r])
+        before = int(m[REPLAYS])
+        mpicomm.replay(cap.graph, s)
+        assert int(m[REPLAYS]) == before + 1 and int(m[REPLAY_KEY]) == cap.key
+        s.synchronize()
+        close(out.get(), reduce_np(xs, ReduceOp.SUM))
+        close(gat.get(), np.concatenate(xs))
+    assert CTX.reliability.watchdog.graphs[cap.key].describe() == cap.describe()
+    with pytest.raises(InvalidArgumentError, match=r"invalid stream='NoneType'.*cupy.cuda.Stream other than the null"):
+        with mpicomm.capture():
+            pass
+    with pytest.raises(InvalidArgumentError, match=r"invalid graph='object'.*torch.cuda.CUDAGraph"):
+        with mpicomm.capture(object()):
+            pass
+    with pytest.raises(InvalidArgumentError, match=r"invalid stream='int'.*cupy.cuda.Stream for a CuPy graph"):
+        mpicomm.replay(cap.graph, 3)
+
+    class Unlaunchable:   # a graph whose launch raises: neither counted nor watched
+        def launch(self, stream=None):
+            raise RuntimeError("no launch")
+    before = int(m[REPLAYS])
+    with pytest.raises(RuntimeError, match="no launch"):
+        mpicomm.replay(Unlaunchable(), s)
+    assert int(m[REPLAYS]) == before
+    assert all(slot[0] is not None and slot[0].done for slot in CTX.reliability.watchdog._replays)
+    mpicomm.barrier()   # nothing was entered: the group goes on

@@ -51,19 +51,40 @@ def test_train_torch_reaches_its_accuracy():
 
 
 def test_bench_ddp_cpu_smoke(tmp_path):
+    """The DDP benchmark at 2 ranks, tiny: the small conv net and a tiny GPT-2 (Hugging Face's
+    where transformers is installed), the floor, torch DDP, mpicomm and mpicomm's overlapped
+    step; the table's columns, the agreement check (the overlapped step equal to the unfused
+    one), and every communicating mode's parameters identical on both ranks."""
     out = tmp_path / "ddp.json"
-    p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "small", "--steps", "2", "--warmup", "1",
-              "--rounds", "2", "--check-steps", "3", "--json", str(out)])
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "small,gpt2", "--tiny", "--steps", "2",
+              "--warmup", "1", "--rounds", "2", "--check-steps", "3", "--overlap-step", "--json", str(out)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ranks"] == 2 and res["mpicomm_backend"] == "mpi" and res["ddp_backend"] == "gloo"
-    r = res["models"]["small"]
-    assert set(r["ms_per_step"]) == {"none", "ddp", "mpicomm"}
-    assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_ms"].values())
-    assert r["check_ok"] is True and r["rel_param_diff_vs_ddp"] <= 1e-4 and r["rel_param_change"] > 0
-    assert "| small | 16 |" in p.stdout
+    for name, batch in (("small", 16), ("gpt2", 2)):
+        r = res["models"][name]
+        assert set(r["ms_per_step"]) == {"none", "ddp", "mpicomm", "mpicomm_step"}
+        assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_ms"].values())
+        assert r["check_ok"] is True and r["rel_param_diff_vs_ddp"] <= 1e-4 and r["rel_param_change"] > 0
+        assert r["rel_param_diff_step_vs_unfused"] == 0.0
+        assert r["same_params_on_every_rank"] == {"ddp": True, "mpicomm": True, "mpicomm_step": True}
+        for m in ("ddp", "mpicomm", "mpicomm_step"):
+            want = (r["ms_per_step"][m] - r["ms_per_step"]["none"]) / r["ms_per_step"]["none"]
+            assert abs(r[f"{m}_exposed_share_of_floor"] - want) < 1e-12
+        row = re.search(rf"^\| {name} \| {batch} \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| [^|]+ \| yes \|",
+                        p.stdout, re.M)
+        assert row, p.stdout
+        assert re.fullmatch(r"[0-9.]+", row.group(1))   # the floor
+        for c in row.groups()[1:]:   # ms (exposed as a share of the floor)
+            assert re.fullmatch(r"[0-9.]+ \([+-][0-9.]+ %\)", c), c
+    assert ("| model | batch/rank | floor ms | torch DDP ms (exposed, of floor) | mpicomm ms (exposed, of floor) | "
+            "mpicomm overlapped step ms (exposed, of floor) | mpicomm/DDP exposed | same params on all ranks | "
+            "param diff vs DDP |") in p.stdout
 
 
 def test_bench_ddp_rejects_unknown_names():
     p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "vgg"], timeout=120)
     assert p.returncode != 0 and "--model vgg: expected some of resnet50, gpt2, small" in p.stderr
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--modes", "none,fsdp"], timeout=120)
+    assert p.returncode != 0 and ("--modes none,fsdp: expected some of none, ddp, mpicomm, mpicomm_dense, "
+                                  "mpicomm_step") in p.stderr, p.stderr

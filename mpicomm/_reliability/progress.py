@@ -20,10 +20,15 @@ from .._timing import TIMING
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
-# its tag, stack-dump request, CUDA graphs replayed through mpicomm.replay, the agreement
-# report (its length in bytes, then REASON_WORDS words of UTF-8 text), then ROWS rows of F
-# fields]. REPLAYS counts this rank's mpicomm.replay calls: a replay that does not complete
-# is diagnosed by comparing the counts (mpicomm._replay). "exited" is set when the process
+# its tag, stack-dump request, CUDA graphs replayed through mpicomm.replay, the key of the
+# last one, the agreement report (its length in bytes, then REASON_WORDS words of UTF-8
+# text), then ROWS rows of F fields]. REPLAYS counts this rank's mpicomm.replay calls: a
+# replay that does not complete is diagnosed by comparing the counts (mpicomm._replay);
+# REPLAY_KEY names the graph of the last one (0: a graph not made by mpicomm.capture, else
+# a hash of the collectives it captured, the same on every rank that captured the same).
+# REPLAY_WAIT, written by the watchdog alone, is the replay it sees pending (replay_wait:
+# the graph's own replay number and key; 0: none), so that a rank that has replayed that
+# graph fewer times names the collective its peers wait in. "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
@@ -36,8 +41,10 @@ XSTATUS = 3
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 REPLAYS = 8
-REASON_LEN = 9
-REASON = 10
+REPLAY_KEY = 9
+REPLAY_WAIT = 10
+REASON_LEN = 11
+REASON = 12
 REASON_WORDS = 64
 XREASON_LEN = REASON + REASON_WORDS    # the last report of the comparison across hosts that this
 XREASON = XREASON_LEN + 1              # rank told its group's members (the same layout)
@@ -127,6 +134,20 @@ def ghash(name):
 def members_hash(ranks):
     """The MEMBERS word of a group of these world ranks."""
     return zlib.crc32(",".join(map(str, ranks)).encode()) & 0x7FFFFFFF
+
+
+KEY_BITS = 32
+
+
+def replay_wait(number, key):
+    """The REPLAY_WAIT word of a pending replay: its graph's replay ``number`` and ``key``."""
+    return (int(number) << KEY_BITS) | int(key)
+
+
+def replay_wait_fields(word):
+    """(the graph's replay number, its key) of a REPLAY_WAIT word; (0, 0) for none."""
+    w = int(word)
+    return w >> KEY_BITS, w & ((1 << KEY_BITS) - 1)
 
 
 def p2p_word(count, code, peer):

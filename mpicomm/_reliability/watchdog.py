@@ -27,7 +27,8 @@ from . import agreement as agr
 from .cross_host import CrossHostCheck
 from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DUMP, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+from .progress import (DUMP, REPLAY_WAIT, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+                       replay_wait, replay_wait_fields,
                        ghash, p2p_fields)
 from .stacks import Stacks, stack_path
 
@@ -61,7 +62,12 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self._xread = {}               # row -> (partner, its reads in flight, started)
         self._xtold = {}               # row -> (group, call, report) told to the members
         self._xrate = {}               # row -> (time, sequence number, the same of the round before)
-        self._replays = collections.deque()   # (event, count, when) of mpicomm.replay calls not known done
+        self._replays = collections.deque()   # [event, count, when, Captured or None] of mpicomm.replay
+        #                                       calls not known done (event None: being launched)
+        self.graphs = {}               # graph key -> its mpicomm._replay.Captured (made by mpicomm.capture)
+        self._behind = None            # (the peers' REPLAY_WAIT words, first seen): peers wait in a graph
+        #                                this rank has replayed fewer times
+        self._behind_next = 0.0        # when the peers' replay counts are next read
         self._lock = threading.Lock()  # diagnosis from the watchdog and from Work.wait
         self._stop = threading.Event()
         self._thread = None
@@ -148,6 +154,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         if m[DUMP] != self._dump_seen:   # a peer's report asks for this rank's stack
             self._dump_seen = m[DUMP]
             self.stacks.publish(self.stacks.take(), "asked for by a peer's timeout report")
+            if m[REPLAYS] and not self._replays and self._tick_behind(now, asked=True):
+                return   # (its peers wait in a graph this rank has not replayed: its own report)
         text = self.stacks.signalled()
         if text:
             self.stacks.publish(text, "SIGUSR1")
@@ -155,6 +163,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             sys.stderr.flush()
         if self.device_id is not None:
             if self._replays and self._tick_replays(now):
+                return
+            if not self._replays and self.progress.m[REPLAYS] and self._tick_behind(now):
                 return
             self._tick_gpu(events, now)
         if now >= self._xnext:
@@ -416,42 +426,102 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                   grace=TIMING.grace, code=code)
 
     # ------------------------------------------------------ mpicomm.replay
-    def watch_replay(self, event, count):
-        """A CUDA graph replayed through mpicomm.replay (this rank's replay ``count``), done
-        when ``event`` is (mpicomm._replay)."""
+    def watch_replay(self, count, cap=None):
+        """A CUDA graph being replayed through mpicomm.replay (this rank's replay ``count``;
+        ``cap``: its mpicomm._replay.Captured, or None where the graph was not made by
+        mpicomm.capture). Returns its slot, whose first item mpicomm._replay sets to a CUDA
+        event recorded after the launch: the replay is done when that event is."""
         q = self._replays
-        while q and q[0][0].done:   # (the replays before it on the stream)
+        while q and q[0][0] is not None and q[0][0].done:   # (the replays before it on the stream)
             q.popleft()
-        q.append((event, count, time.monotonic()))
+        slot = [None, count, time.monotonic(), cap, replay_wait(cap.replays, cap.key) if cap is not None else 0]
+        q.append(slot)
+        return slot
 
     def _tick_replays(self, now):
         """The oldest replay not done: reported past the timeout. True when it fired."""
         q = self._replays
         try:
-            while q and q[0][0].done:
+            while q and q[0][0] is not None and q[0][0].done:
                 q.popleft()
         except Exception:   # (an event of a context that is gone)
             q.clear()
+        m = self.progress.m
+        w = q[0][4] if q else 0
+        if m[REPLAY_WAIT] != w:   # the replay waited in, for the peers (this thread owns the word)
+            m[REPLAY_WAIT] = w
         if not q or now - q[0][2] < self.timeout:
             return False
         with self._lock:
             if self.fired:
                 return True
             self.fired = True
-        _, count, t0 = q[0]
+        _, count, t0, cap, _ = q[0]
+        colls = cap.describe() if cap is not None else None
         me, n = self.world.ranks[self.world.rank], self.world.size
         states = self.progress.read_peers(list(range(n)))
         counts = {r: (int(st[REPLAYS]) if st is not None else None) for r, st in states.items()}
-        fewer = [r for r, c in counts.items() if c is not None and c < count]
+        fewer = [r for r, c in counts.items() if c is not None and c < count
+                 and (cap is None or not cap.members or r in cap.members)]   # (the graph's groups only)
         seen = ", ".join(f"rank {r}: {'unknown' if c is None else c}" for r, c in counts.items())
         why = (f"rank{'s' if len(fewer) > 1 else ''} {', '.join(map(str, fewer))} replayed fewer graphs: "
                "a collective captured in this one waits for {}".format("them" if len(fewer) > 1 else "it")
                if fewer else "every rank replayed as many graphs: their captured collectives differ, or a "
                "rank waits in other GPU work")
+        held = (f"; the graph holds {colls}" if colls is not None else
+                "; the graph was not made by mpicomm.capture, so its collectives are not known")
         msg = (f"rank {me}: the CUDA graph of this rank's replay {count} (mpicomm.replay) did not complete "
-               f"within {now - t0:.0f} s; {why} (graphs replayed so far: {seen}). Replay the same graphs in "
-               f"the same order on every rank (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now "
+               f"within {now - t0:.0f} s{held}; {why} (graphs replayed so far: {seen}). Replay the same graphs "
+               f"in the same order on every rank (timeout: init(timeout=...) or MPICOMM_TIMEOUT, now "
                f"{self.timeout:g} s)")
+        self.lagging = [r for r in fewer if r != me]
+        self._report(msg, False, [r for r in range(n) if r != me])
+        return True
+
+    def _tick_behind(self, now, asked=False):
+        """This rank has replayed graphs and has none pending: when peers wait in a replay of
+        a graph that this rank captured too (the key they publish in REPLAY_WAIT is one of its
+        own graphs) and has replayed fewer times, for about the timeout (the peers publish
+        their wait within a tick and this rank reads it every wait_check, so from the first
+        sight it gives them the timeout less wait_check), or at once when ``asked`` (a peer's
+        report asked for this rank's stack), report it, naming that graph's collectives: the
+        ranks that wait report it too. A peer waiting in a graph this rank did not capture
+        (another group's) is not this rank's to report. True when it fired."""
+        if not self.graphs or (not asked and now < self._behind_next):
+            return False
+        self._behind_next = now + TIMING.wait_check
+        me, n = self.world.ranks[self.world.rank], self.world.size
+        states = self.progress.read_peers([r for r in range(n) if r != me])
+        waits = {}
+        for r, st in states.items():
+            if st is None or not st[REPLAY_WAIT]:
+                continue
+            number, key = replay_wait_fields(st[REPLAY_WAIT])
+            cap = self.graphs.get(key)
+            if cap is not None and cap.replays < number:
+                waits[r] = (number, cap)
+        if not waits:
+            self._behind = None
+            return False
+        seen = tuple(sorted((r, w[0], w[1].key) for r, w in waits.items()))
+        if self._behind is None or self._behind[0] != seen:
+            self._behind = (seen, now)
+            if not asked:
+                return False
+        waited = now - self._behind[1]
+        if not asked and waited < self.timeout - TIMING.wait_check:
+            return False
+        with self._lock:
+            if self.fired:
+                return True
+            self.fired = True
+        ahead = sorted(waits)
+        number, cap = waits[ahead[0]]
+        msg = (f"rank {me}: rank{'s' if len(ahead) > 1 else ''} {', '.join(map(str, ahead))} "
+               f"{'wait' if len(ahead) > 1 else 'waits'} in replay {number} (mpicomm.replay) of a CUDA graph that "
+               f"holds {cap.describe()}, which this rank has replayed {cap.replays} time(s) and is not replaying"
+               f"{' (a peer reported it)' if asked else ''}. Replay the same graphs in the same order on every rank "
+               f"(timeout: init(timeout=...) or MPICOMM_TIMEOUT, now {self.timeout:g} s)")
         self._report(msg, False, [r for r in range(n) if r != me])
         return True
 

@@ -31,6 +31,7 @@ from ..training.fused import broadcast_parameters
 from ._device import select_local_device
 from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, GatherContext, check_mode
+from ._step import OverlappedStep
 
 
 def _flag(name, v):
@@ -121,6 +122,18 @@ class DistributedDataParallel(nn.Module):
         and step. (Modules with max_norm, scale_grad_by_freq or sparse=True keep
         autograd's path.)
     group: the mpicomm group to train over (None: the world).
+    optimizer, overlap_step: with ``overlap_step=True``, ``optimizer`` (a torch.optim
+        optimizer over the model's trainable parameters: SGD, Adam, AdamW and the other
+        per-parameter ones) is applied by backward itself, bucket by bucket, as each
+        bucket's reduction lands, overlapped with the reduction of the later buckets
+        (torch's ``_apply_optimizer_in_backward`` / fused-optimizer DDP hook, with your
+        optimizer): the parameters are the same as with ``optimizer.step()`` after the
+        reduction. Call ``optimizer.zero_grad()`` as usual and leave ``optimizer.step()``
+        out (it raises InvalidArgumentError). The optimizer's state stays its own
+        (state_dict, LR schedulers work). Not with ``embedding_grads="all_gather"`` (a
+        gathered gradient is complete only after the last bucket; "auto" reduces
+        embeddings densely then), nor with steps that need every gradient first
+        (gradient clipping by the global norm, GradScaler's unscale).
 
     After the first synchronised backward the buckets are planned again in the order the
     gradients became ready (rank 0's order on every rank), as DDP rebuilds its buckets;
@@ -133,12 +146,27 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module, device_ids=None, output_device=None, *, bucket_cap_mb=25.0,
                  gradients_mean=True, compression=None, find_unused_parameters=False,
-                 broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None):
+                 broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None, optimizer=None,
+                 overlap_step=False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise invalid("module", type(module).__name__, "a torch.nn.Module")
         _flag("gradients_mean", gradients_mean)
         check_mode(embedding_grads)
+        _flag("overlap_step", overlap_step)
+        if overlap_step and optimizer is None:
+            raise invalid("optimizer", None, "a torch.optim.Optimizer over the model's parameters when "
+                          "overlap_step=True (the optimizer backward applies bucket by bucket)")
+        if optimizer is not None and not overlap_step:
+            raise invalid("overlap_step", overlap_step, "True when optimizer= is given (the wrapper only takes "
+                          "an optimizer to apply it bucket by bucket during backward; without it, call "
+                          "optimizer.step() yourself and leave optimizer= out)")
+        if overlap_step and embedding_grads == "all_gather":
+            raise invalid("embedding_grads", embedding_grads, "'auto' or 'all_reduce' with overlap_step=True (a "
+                          "gathered embedding gradient is complete only after the last bucket, so its bucket "
+                          "could not be updated early)")
+        if overlap_step:
+            embedding_grads = "all_reduce"
         self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
         self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
         if not CTX.initialized:
@@ -156,6 +184,8 @@ class DistributedDataParallel(nn.Module):
             if p.is_sparse:
                 raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
         self._bufs = [b for b in module.buffers()]
+        self._overlap = OverlappedStep(optimizer, self._params, self._names) if overlap_step else None
+        self.overlap_step = overlap_step   # backward applies the optimizer: leave optimizer.step() out
         _same_model_everywhere(module, group)
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
@@ -167,6 +197,9 @@ class DistributedDataParallel(nn.Module):
         # big gradients reduced from where autograd leaves them, not copied into the buckets
         # first (the same calls on every rank: the plan decides them)
         self.reducer.direct_overlap = True
+        if self._overlap is not None:
+            self._overlap.plan(self.reducer.buckets)
+            self.reducer.set_bucket_hook(self._overlap)
         self._views = self.reducer.grad_views()
         with torch.no_grad():
             for p, v in zip(self._params, self._views):
@@ -236,6 +269,8 @@ class DistributedDataParallel(nn.Module):
         backward), so that none is left out when only one of them fires."""
         if not self._in_backward:
             self._in_backward = True
+            if self._overlap is not None:
+                self._overlap.begin()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, i, p):
@@ -270,6 +305,8 @@ class DistributedDataParallel(nn.Module):
                 p.grad = v
                 red.mark_ready(i)
         red.wait()
+        if self._overlap is not None:
+            self._overlap.end()
         gathered = self._emb.finish(self._views, 1.0 / self._size if red.mean else 1.0)
         if missing and gathered:
             # gathered embeddings with no other gradient (untied): dense from the next step
@@ -313,6 +350,8 @@ class DistributedDataParallel(nn.Module):
         order = broadcast_object(order, root=0, group=self.group)
         if not self.reducer.replan(order):
             return
+        if self._overlap is not None:
+            self._overlap.plan(self.reducer.buckets)
         views = self.reducer.grad_views()
         with torch.no_grad():
             for p, v in zip(self._params, views):

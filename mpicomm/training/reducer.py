@@ -157,6 +157,9 @@ class DistributedGradReducer:
         # mark_ready steps (overlap) use the direct structure (_ops) too: set by
         # mpicomm.torch.DistributedDataParallel, whose every rank takes the same path
         self.direct_overlap = False
+        # called as bucket_hook(indices, stream) once a bucket of a mark_ready() step is
+        # reduced (see set_bucket_hook); None: nothing
+        self.bucket_hook = None
         self._build(plan, specs)
         self._reset_step()
         self._sides = {}
@@ -234,6 +237,19 @@ class DistributedGradReducer:
         """How many buckets of the current step have had their all_reduce issued."""
         return self._next
 
+    def set_bucket_hook(self, hook):
+        """Call ``hook(indices, stream)`` as each bucket of a mark_ready() step has its reduced
+        gradients in its grad_views() (``indices``: the bucket's gradient indices), so that a
+        wrapper can apply that bucket's optimizer update while the later buckets are still
+        being reduced. ``stream``: on NCCL, the side stream the reduction was enqueued on (the
+        values are there in that stream's order, not yet on the host); None otherwise (the
+        values are in place). Buckets come in plan order on NCCL; over MPI, as their
+        requests complete (mark_ready() polls them), every one by the end of wait(). None
+        removes the hook. Blocking steps (reduce_, reducer(grads)) never call it."""
+        if hook is not None and not callable(hook):
+            raise invalid("hook", type(hook).__name__, "a callable hook(indices, stream), or None")
+        self.bucket_hook = hook
+
     def grad_views(self):
         """Arrays shaped like the parameters that are views into the persistent buckets.
 
@@ -287,6 +303,8 @@ class DistributedGradReducer:
                         b.srcs = None
                     if step.nccl_group is None:  # (else after the group: _launch_all)
                         self._post(b)
+                        if step.overlap and self.bucket_hook is not None:
+                            self.bucket_hook(b.indices, side)
                 else:
                     b.work = all_reduce(b.wire, b.op, out=b.wire, group=self.group,
                                                     async_op=True)
@@ -353,12 +371,18 @@ class DistributedGradReducer:
             if b.numel:
                 self._post(b)
 
+    def _landed(self, b):
+        """Bucket ``b``'s request has completed: its values into place, then the hook."""
+        b.work = None
+        self._post(b)
+        if self.bucket_hook is not None:
+            self.bucket_hook(b.indices, None)
+
     def _finish(self):
         for b in self._buckets:
             if b.work is not None:
                 b.work.wait()
-                b.work = None
-                self._post(b)
+                self._landed(b)
         for key in self._used_sides:
             s = self._sides[key]
             fam = CUPY if key[0] == "cupy" else TORCH
@@ -567,8 +591,9 @@ class DistributedGradReducer:
         if b.remaining == 0:
             self._launch_ready(self._step)
         for b in self._buckets[:self._next]:  # let MPI progress the transfers in flight
-            if b.work is not None:
-                b.work.is_completed()
+            if b.work is not None and b.work.is_completed() and self.bucket_hook is not None:
+                b.work.wait()
+                self._landed(b)   # (the update overlaps the later buckets' transfers)
 
     def _begin_overlapped(self):
         """Start a mark_ready() step: overlapped, and direct where DistributedDataParallel

@@ -12,7 +12,8 @@ returns with its data in place; sends aside: they complete at the next synchroni
 but their order is modelled: a read on a stream of memory last written on another stream
 that nothing orders after it is recorded in ``cupy.hazards`` (read-after-write only; see
 "stream order" below). What it does not model: asynchrony itself (an event is complete
-once the sends before it are), kernels, CUDA graphs (no stream is ever capturing),
+once the sends before it are), kernels, CUDA graphs beyond NCCL calls (a stream capture
+records and replays those only: cupy.cuda),
 bfloat16 arrays (as CuPy), DLPack, and array methods mpicomm and its tests do not use. This package is put on ``sys.path``
 by tests/test_nccl_double.py only, and is not installed with mpicomm.
 """

@@ -1,5 +1,11 @@
 """cupy.cuda of the double: devices (numbers only), streams and events (work runs eagerly,
-so an event is complete once the sends recorded before it have completed)."""
+so an event is complete once the sends recorded before it have completed), and stream
+capture of the double's NCCL calls: between ``Stream.begin_capture()`` and
+``end_capture()`` an NCCL call on that stream is checked and recorded instead of run, and
+the returned ``Graph``'s ``launch()`` runs the recorded calls again, in order, on the
+arrays' current contents (as a replayed CUDA graph does). Only NCCL calls are captured:
+copies and array arithmetic still run at once, so a test captures collectives only.
+The CUDA driver is never asked (mpicomm's own capture checks see no capture here)."""
 import itertools
 import os
 import threading
@@ -8,6 +14,7 @@ import weakref
 _tls = threading.local()
 _ptrs = itertools.count(0x7E570000, 0x100)   # handles of streams and events (never real ones)
 _events = weakref.WeakValueDictionary()      # event handle -> Event, for runtime.eventRecord
+_capturing = {}                              # stream handle -> the NCCL calls its capture recorded
 
 
 def device_count():
@@ -100,6 +107,35 @@ class Stream:
     @property
     def done(self):
         return nccl._test_pending(None)
+
+    def begin_capture(self, mode=None):
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture the null stream (as CUDA)")
+        if self.ptr in _capturing:
+            raise RuntimeError("the stream is capturing already")
+        _capturing[self.ptr] = []
+
+    def is_capturing(self):
+        return self.ptr in _capturing
+
+    def end_capture(self):
+        if self.ptr not in _capturing:
+            raise RuntimeError("the stream is not capturing")
+        return Graph(_capturing.pop(self.ptr))
+
+
+class Graph:
+    """A captured graph of the double: the NCCL calls recorded during its capture."""
+
+    def __init__(self, calls):
+        self._calls = calls
+
+    def launch(self, stream=None):
+        for comm, name, regions, post in self._calls:
+            comm._submit(name, regions, post, replay=True)
+
+    def upload(self, stream=None):
+        pass
 
 
 Stream.null = Stream(null=True)

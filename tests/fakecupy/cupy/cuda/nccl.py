@@ -291,7 +291,15 @@ class NcclCommunicator:
             raise NcclError(f"{name}: sendbuff [{s:#x}, +{snb} B) and recvbuff [{r:#x}, +{rnb} B) overlap, "
                             f"and not in NCCL's in-place form (recvbuff - sendbuff == {ok})")
 
-    def _submit(self, name, regions, post):
+    def _submit(self, name, regions, post, replay=False):
+        from . import _capturing
+
+        if not replay and self._stream in _capturing:   # captured: run by the graph's launch()
+            if _depth:
+                raise NcclError(f"{name}: a group in a stream capture is not modelled by the double")
+            _capturing[self._stream].append((self, name, regions, post))
+            return
+        self._live(name)
         if _depth:
             _queued.append((self, name, regions, post))
             return
