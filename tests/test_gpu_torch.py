@@ -147,13 +147,15 @@ def test_embedding_grads_direct_path_cuda(cuda, direct_low):
     assert any(b.direct for b in model.reducer._buckets)
 
 
-@pytest.mark.parametrize("plan", ["per_tensor", "small"])
-@pytest.mark.parametrize("which", ["sgd", "sgd_momentum", "adamw", "adamw_groups"])
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_overlapped_step_equals_the_unfused_step_cuda(cuda, which, plan):
-    """DistributedDataParallel(optimizer=opt, overlap_step=True) on CUDA tensors: each bucket
-    updated on a stream of its own after its reduction; the same parameters and optimizer
-    state as optimizer.step() after the reduction, on every rank (test_torch_step.py)."""
+def test_overlapped_step_is_refused_on_gpus(cuda):
+    """DistributedDataParallel(optimizer=opt, overlap_step=True) on a model on a GPU: refused
+    on every rank, naming overlap_step (on GPUs its parameters differed from the unfused
+    step's in scripts/bench_ddp.py; exact on CPU parameters: test_torch_step.py)."""
+    import mpicomm.torch as mt
     import test_torch_step as ts
 
-    ts.check_overlapped_equals_unfused(cuda, which, ts.PLANS[plan], zero_to_none=(plan != "small"))
+    net = ts.Net(seed=5).to(cuda)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(mpicomm.InvalidArgumentError, match="overlap_step") as info:
+        mt.DistributedDataParallel(net, optimizer=opt, overlap_step=True)
+    assert "GPUs" in str(info.value) and "optimizer.step()" in str(info.value)

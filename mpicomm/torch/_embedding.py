@@ -117,7 +117,18 @@ class _Call:
         for w in self.works:
             w.wait()
         self.works = ()
-        grad.index_add_(0, self.all_ids, self.all_rows, alpha=scale)
+        if grad.is_cuda:
+            # index_add_ on a GPU adds the rows of one id atomically, in no fixed order: the
+            # ranks would end with parameters that differ in their last bits. PyTorch's
+            # deterministic index_add_ (the same gathered rows give the same bits on every rank)
+            mode, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                grad.index_add_(0, self.all_ids, self.all_rows, alpha=scale)
+            finally:
+                torch.use_deterministic_algorithms(mode, warn_only=warn)
+        else:
+            grad.index_add_(0, self.all_ids, self.all_rows, alpha=scale)
         self.all_ids = self.all_rows = None
 
 
