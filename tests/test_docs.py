@@ -44,6 +44,8 @@ EXCLUDED = [
                            "(tests/test_two_host.py runs it where they are)"),
     (r"SLURM_NTASKS", "needs a Slurm allocation"),
     (r"^DATA_PATH=~/mnist", "needs the MNIST files"),
+    (r"^mpicomm-run -n 4 mpicomm-smoke$", "the README's main job, scripts/smoke.sh (run here as written), "
+                                         "runs this smoke test over 4 ranks"),
 ]
 
 
