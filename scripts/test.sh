@@ -101,7 +101,9 @@ if [ "${MPICOMM_TEST_SERIAL:-1}" != 0 ]; then
     if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
         par=(-n "$jobs" --dist worksteal)
     fi
-    stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
+    # (--durations: the stage's time is mostly its 15 slowest tests, listed before the summary)
+    stage serial "" "$serial_limit" "$py" -m pytest "${pytest_flags[@]}" "${par[@]}" --durations=15 \
+        --basetemp="$work/serial.tmp" -m "not mpi" "$@" tests
 fi
 
 # bash -c "$per_rank" DIR CMD...: each rank gets its own pytest tmp folder; ranks > 0 log to DIR
