@@ -52,9 +52,7 @@ def save_on_rank0(state, path, save=None, root=0, group=None):
     root could not write it. Returns True on root, False elsewhere.
     """
     path = _path(path)
-    g = get_group(group)
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
-        raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+    g = _group_with_root(group, root)
     err = None
     if g.rank == root:
         try:
@@ -65,6 +63,14 @@ def save_on_rank0(state, path, save=None, root=0, group=None):
     if err is not None:
         raise InvalidArgumentError(f"save_on_rank0: rank {root} could not write {path!r}: {err}")
     return g.rank == root
+
+
+def _group_with_root(group, root):
+    """The group, where ``root`` is one of its ranks (else InvalidArgumentError naming it)."""
+    g = get_group(group)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
+        raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+    return g
 
 
 def load_on_rank0(path, load=None, root=0, group=None):
@@ -78,9 +84,7 @@ def load_on_rank0(path, load=None, root=0, group=None):
     InvalidArgumentError on every rank where root could not read the file.
     """
     path = _path(path)
-    g = get_group(group)
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
-        raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+    g = _group_with_root(group, root)
     msg = None
     if g.rank == root:
         try:
