@@ -147,15 +147,15 @@ def test_embedding_grads_direct_path_cuda(cuda, direct_low):
     assert any(b.direct for b in model.reducer._buckets)
 
 
-def test_overlapped_step_is_refused_on_gpus(cuda):
-    """DistributedDataParallel(optimizer=opt, overlap_step=True) on a model on a GPU: refused
-    on every rank, naming overlap_step (on GPUs its parameters differed from the unfused
-    step's in scripts/bench_ddp.py; exact on CPU parameters: test_torch_step.py)."""
-    import mpicomm.torch as mt
+@pytest.mark.parametrize("plan", ["per_tensor", "small", "one"])
+@pytest.mark.parametrize("which", ["sgd_momentum", "adamw_groups"])
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_overlapped_step_equals_the_unfused_step_cuda(cuda, direct_low, which, plan):
+    """DistributedDataParallel(optimizer=opt, overlap_step=True) on a GPU: the parameters
+    and optimizer state of optimizer.step() after the reduction, exactly; with the direct
+    path (big gradients reduced from autograd's tensors and placed last in their bucket's
+    buffer, so the reducer hands a bucket's indices in another order than its plan's)."""
     import test_torch_step as ts
 
-    net = ts.Net(seed=5).to(cuda)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    with pytest.raises(mpicomm.InvalidArgumentError, match="overlap_step") as info:
-        mt.DistributedDataParallel(net, optimizer=opt, overlap_step=True)
-    assert "GPUs" in str(info.value) and "optimizer.step()" in str(info.value)
+    model = ts.check_overlapped_equals_unfused(cuda, which, ts.PLANS[plan], zero_to_none=(plan != "small"))
+    assert any(b.direct for b in model.reducer._buckets)

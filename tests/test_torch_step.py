@@ -124,6 +124,30 @@ def test_overlapped_step_after_no_sync(comm):
         assert torch.equal(p, q)
 
 
+def test_overlapped_step_takes_a_bucket_in_any_order(comm):
+    """The reducer hands the bucket hook a bucket's indices in its buffer's order (on GPUs big
+    directly reduced gradients come last), not the plan's: the overlapped step updates the
+    bucket whatever the order (a lost update made it differ on GPUs), and a bucket it has no
+    plan for is an error, never a silently skipped update."""
+    r = mpicomm.get_rank()
+    a, b = Net(seed=60), Net(seed=60)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    ddp = mt.DistributedDataParallel(a, optimizer=opt_a, overlap_step=True, bucket_cap_mb=None)
+    (bucket,) = ddp.buckets
+    g = torch.Generator().manual_seed(70 + r)
+    for p, q in zip(a.parameters(), b.parameters()):
+        q.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        p.grad = q.grad.clone()
+    ddp._overlap(list(reversed(bucket)), None)   # (the reducer's hook call)
+    opt_b.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        assert not torch.equal(p, Net(seed=60).state_dict()[[n for n, x in b.named_parameters() if x is q][0]])
+    with pytest.raises(RuntimeError, match="no optimizer for"):
+        ddp._overlap([len(bucket) + 5], None)
+
+
 def test_reducer_bucket_hook_sees_each_bucket_reduced(comm, rng):
     """set_bucket_hook: called once per bucket of a mark_ready() step, with the bucket's
     indices, when its views hold the reduced sums (computed here from every rank's seeded

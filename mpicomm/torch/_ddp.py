@@ -184,11 +184,6 @@ class DistributedDataParallel(nn.Module):
             if p.is_sparse:
                 raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
         self._bufs = [b for b in module.buffers()]
-        if overlap_step and any(p.is_cuda for p in self._params):
-            raise invalid("overlap_step", overlap_step, "False for a model on GPUs: the overlapped step is exact "
-                          "against optimizer.step() on CPU parameters, but on GPUs its parameters differed from "
-                          "the unfused step's on ResNet-50 and GPT-2 (scripts/bench_ddp.py --overlap-step), so "
-                          "it is refused there until that is fixed; call optimizer.step() after backward")
         self._overlap = OverlappedStep(optimizer, self._params, self._names) if overlap_step else None
         self.overlap_step = overlap_step   # backward applies the optimizer: leave optimizer.step() out
         _same_model_everywhere(module, group)

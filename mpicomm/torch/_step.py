@@ -55,7 +55,10 @@ class OverlappedStep:
         self.opt = optimizer
         self.params = params
         self.names = names
-        self.subs = {}       # tuple of a bucket's indices -> (its optimizer, [(its group, the user's group)])
+        # a bucket's indices (as a set: the reducer hands them in its buffer's order, which puts
+        # big directly reduced gradients last) -> (its optimizer, [(its group, the user's
+        # group)]), or None where no parameter of the bucket is in the optimizer
+        self.subs = {}
         self.streams = {}    # device -> the stream the updates run on (GPUs)
         self.used = set()    # the devices whose stream ran an update in this backward
         self._handle = optimizer.register_step_pre_hook(self._refuse)
@@ -81,19 +84,20 @@ class OverlappedStep:
                 if gi is not None:   # (a parameter not in the optimizer is not updated, as by its step)
                     by.setdefault(gi, []).append(self.params[i])
             if not by:
+                subs[frozenset(idx)] = None
                 continue
             pairs = [({**{k: v for k, v in opt.param_groups[gi].items() if k != "params"}, "params": ps},
                       opt.param_groups[gi]) for gi, ps in by.items()]
             sub = type(opt)([g for g, _ in pairs])
             for p in (p for ps in by.values() for p in ps):
                 sub.state[p] = opt.state[p]   # one state: the user's optimizer holds it
-            subs[tuple(idx)] = (sub, list(zip(sub.param_groups, [pg for _, pg in pairs])))
+            subs[frozenset(idx)] = (sub, list(zip(sub.param_groups, [pg for _, pg in pairs])))
         self.subs = subs
 
     def begin(self):
         """A synchronised backward starts: the groups' options as the user's are now (an LR
         scheduler changes those)."""
-        for sub, pairs in self.subs.values():
+        for sub, pairs in filter(None, self.subs.values()):
             for sg, pg in pairs:
                 for k, v in pg.items():
                     if k != "params":
@@ -101,7 +105,11 @@ class OverlappedStep:
 
     def __call__(self, indices, stream):
         """The reducer's bucket hook: bucket ``indices`` is reduced (on ``stream``'s order)."""
-        entry = self.subs.get(tuple(indices))
+        key = frozenset(indices)
+        if key not in self.subs:   # (a bucket the plan does not have: its update would be lost)
+            raise RuntimeError(f"mpicomm.torch: the reducer reported a bucket of gradients {sorted(key)[:10]} that "
+                               "the overlapped step has no optimizer for; please report this as a bug")
+        entry = self.subs[key]
         if entry is None:
             return
         sub = entry[0]
