@@ -304,9 +304,7 @@ class DistributedDataParallel(nn.Module):
                     v.copy_(g)
                 p.grad = v
                 red.mark_ready(i)
-        red.wait()
-        if self._overlap is not None:
-            self._overlap.end()
+        red.wait()   # (on GPUs also for the overlapped updates: queued on the reductions' streams)
         gathered = self._emb.finish(self._views, 1.0 / self._size if red.mean else 1.0)
         if missing and gathered:
             # gathered embeddings with no other gradient (untied): dense from the next step

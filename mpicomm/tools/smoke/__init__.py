@@ -4,7 +4,7 @@ Run it under the launcher the job will use, e.g. ``mpirun -n 4 mpicomm-smoke`` (
 ``mpirun -n 4 python -m mpicomm.tools.smoke``). It initialises mpicomm with the
 backend ``init()`` picks (NCCL with CuPy arrays where a GPU is seen, else MPI with
 NumPy; ``--backend`` or MPICOMM_BACKEND override), then runs every collective x op x
-dtype over counts from 0 and 1 element, odd counts, up to tens of MiB per buffer, on
+dtype over counts from 0 and 1 element, odd counts, up to 12 MiB per buffer, on
 the world and on a sub-group, sync and async. Every rank checks its own result against
 a closed-form expectation (exact for integers, within a tolerance for floats); the
 failures are gathered on rank 0, which prints a table (collective, dtypes, ops, counts,

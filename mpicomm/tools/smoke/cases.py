@@ -16,7 +16,10 @@ CHUNKED = ("all_gather", "reduce_scatter", "all_to_all", "all_gatherv", "all_to_
            "gather", "scatter")
 QUICK_COUNTS = (0, 1, 1001)
 FULL_COUNTS = (0, 1, 2, 7, 127, 1001, 65537, (1 << 18) + 3)
-BIG_BYTES = 24 << 20  # "tens of MiB": the largest buffer of the full run, per rank
+# the largest buffer of the full run, per rank: over the largest piece the shared-memory path
+# moves at once (8 MiB, shm_config.AUTO_PIECES), so that a call takes more than one; 12 MiB
+# (not more: the whole run stays under a minute at 4 ranks on 2 CPU cores)
+BIG_BYTES = 12 << 20
 # the dtypes that run at BIG_BYTES: each MPI transport path (native, float16/bfloat16 upcast,
 # 8-byte, complex) once
 BIG_DTYPES = ("int8", "float16", "bfloat16", "float32", "float64", "complex64")
@@ -82,5 +85,5 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
                     if coll in CHUNKED:
                         per //= max(n, 1)
                     for mode in (modes if gi == 0 else modes[:1]):
-                        cases.append(Case(coll, name, op, per | 1, g, mode))  # odd, tens of MiB
+                        cases.append(Case(coll, name, op, per | 1, g, mode))  # odd, 12 MiB
     return cases
