@@ -111,6 +111,7 @@ def _cluster_up_down():
 
 @spawns_mpirun
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_two_host_job(tmp_path, cluster):
     hostfile = cluster
     script = tmp_path / "two_host.py"
@@ -289,6 +290,7 @@ REPORTED = {   # the report each rank raises: a call named by the rings, or call
 @spawns_mpirun
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("found_by", ["rings", "history"])
+@pytest.mark.slow
 def test_calls_that_differ_between_hosts_raise_on_every_rank_and_the_group_goes_on(tmp_path, cluster, found_by):
     """The same difference caught by the script: every rank of both hosts raises
     CollectiveMismatchError, after the same call of the group, within seconds of the first
