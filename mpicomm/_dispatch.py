@@ -84,6 +84,20 @@ def call_key(x, out, arg, stream, async_op):
     return (x.__class__, x.shape, x.dtype, arg, stream, async_op, out is None, out is x)
 
 
+class _Watched:
+    """The flight ring's entry of a watched call with a spec of its own (an object
+    collective's root): what the reports and the flight record read of a prepared call."""
+
+    __slots__ = ("spec", "sig", "arg", "shape", "dtype", "async_op")
+
+    def __init__(self, spec, async_op):
+        self.spec, self.sig, self.arg, self.async_op = spec, spec.sig, spec.root, async_op
+        self.shape = self.dtype = None
+
+    def describe(self):
+        return self.spec.describe()
+
+
 class Dispatcher(AgreementPaths):
     """Runs the collectives of one group: reuses prepared calls and publishes progress."""
 
@@ -351,10 +365,11 @@ class Dispatcher(AgreementPaths):
     def barrier(self, async_op):
         return self.watched(BARRIER, lambda: self.transport.barrier(async_op), async_op)
 
-    def watched(self, code, fn, async_op=False):
+    def watched(self, code, fn, async_op=False, spec=None):
         """Run ``fn()``, a call that every rank of the group makes without arrays (a barrier,
-        creating or destroying a group), published and recorded like a collective; with
-        ``async_op``, ``fn`` returns the call's Work."""
+        creating or destroying a group, an object collective), published and recorded like a
+        collective; with ``async_op``, ``fn`` returns the call's Work. ``spec``: what every
+        rank must agree on beyond ``code`` (an object collective's root), else nothing."""
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -363,7 +378,7 @@ class Dispatcher(AgreementPaths):
         if m[b + AT_POISON]:
             self.poisoned(seq, code)
         m[b] = v
-        w = self.publish(seq, code, plain_spec(code).sig, None)
+        w = self.publish(seq, code, (spec or plain_spec(code)).sig, None if spec is None else _Watched(spec, async_op))
         try:
             r = fn()
         except BaseException as e:

@@ -24,7 +24,9 @@ from typing import Any, Sequence
 
 from . import _ops
 from ._backends.base import HostCall
+from ._callspec import CallSpec
 from ._ops import ALL_GATHER, BROADCAST, RECV, REDUCE, SEND
+from ._sizes import early
 from ._state import CTX, Group, get_group
 from .errors import invalid
 
@@ -102,6 +104,21 @@ def _root(root: Any, g: Group) -> int:
     return r
 
 
+_ROOTED: dict[tuple[int, int], CallSpec] = {}
+
+
+def _rooted(g: Group, code: int, root: Any) -> tuple[int, CallSpec]:
+    """``root`` checked as a group rank (a bad one is refused on every rank of the group:
+    the members that passed do not wait in the call), and the spec every rank must agree
+    on: the collective and its root (a root that differs between ranks is a disagreement,
+    named by the agreement check, not a wait for the timeout)."""
+    r = early(g, code, _root, root, g)
+    spec = _ROOTED.get((code, r))
+    if spec is None:
+        spec = _ROOTED[(code, r)] = CallSpec(code, root=r)
+    return r, spec
+
+
 def _peer(peer: Any, g: Group, arg: str) -> int:
     if isinstance(peer, bool) or not hasattr(peer, "__index__") or not 0 <= int(peer.__index__()) < g.size:
         raise invalid(arg, peer, f"a group rank in 0..{g.size - 1}")
@@ -166,10 +183,10 @@ def broadcast_object(obj: Any = None, root: int = 0, group: str | None = None) -
     ``obj`` cannot be pickled.
     """
     g = _group(group)
-    root = _root(root, g)
+    root, spec = _rooted(g, BROADCAST, root)
     c = _pkl(g)
     msg = _dump(obj, g.rank) if g.rank == root else None
-    msg = g.disp.watched(BROADCAST, lambda: c.bcast(msg, root))
+    msg = g.disp.watched(BROADCAST, lambda: c.bcast(msg, root), spec=spec)
     _raise([msg])
     return _load(msg)
 
@@ -182,7 +199,8 @@ def gather_object(obj: Any, root: int = 0, group: str | None = None) -> list[Any
     broadcast after the gather).
     """
     g = _group(group)
-    root = _root(root, g)
+    code = getattr(_ops, "GATHER", REDUCE)
+    root, spec = _rooted(g, code, root)
     c = _pkl(g)
     msg = _dump(obj, g.rank)
 
@@ -194,7 +212,7 @@ def gather_object(obj: Any, root: int = 0, group: str | None = None) -> list[Any
             bad = next((m for m in msgs if _is_err(m)), None)
         return msgs, g.mpi_comm.bcast(bad, root)
 
-    msgs, bad = g.disp.watched(getattr(_ops, "GATHER", REDUCE), run)
+    msgs, bad = g.disp.watched(code, run, spec=spec)
     _raise([bad])
     return [_load(m) for m in msgs] if msgs is not None else None
 
@@ -207,7 +225,8 @@ def scatter_object(objs: Sequence[Any] | None = None, root: int = 0, group: str 
     pickled: root sends the note of the error in place of each rank's object.
     """
     g = _group(group)
-    root = _root(root, g)
+    code = getattr(_ops, "SCATTER", BROADCAST)
+    root, spec = _rooted(g, code, root)
     c = _pkl(g)
     msgs = None
     if g.rank == root:
@@ -231,7 +250,7 @@ def scatter_object(objs: Sequence[Any] | None = None, root: int = 0, group: str 
         _meet(g)
         return c.scatter(msgs, root)
 
-    msg = g.disp.watched(getattr(_ops, "SCATTER", BROADCAST), run)
+    msg = g.disp.watched(code, run, spec=spec)
     if _is_err(msg) and msg[2] == "objs":
         raise invalid("objs", msg[3], f"a list (or tuple) of {g.size} objects on root {root}, "
                       "one per group rank", msg[1])

@@ -46,6 +46,10 @@ CASES = {
     "root": ("mpicomm.reduce(x, root=0 if r < n - 1 else n - 1)",
              lambda n: [rf"rank {_not_last(n)}: reduce of 8 x float64, op sum, root 0\b",
                         rf"rank {n - 1}: reduce of 8 x float64, op sum, root {n - 1}\b"]),
+    # an object collective's root, the same way (the others' broadcast_object waits for root 0's)
+    "object_root": ("mpicomm.broadcast_object({'from': r}, root=0 if r < n - 1 else n - 1)",
+                    lambda n: [rf"rank {_not_last(n)}: broadcast, root 0\b",
+                               rf"rank {n - 1}: broadcast, root {n - 1}\b"]),
 }
 
 
@@ -73,6 +77,39 @@ def test_blocked_disagreement_ends_the_job_naming_each_call(tmp_path, case, n):
     missing = [w for w in words(n) if not re.search(w, "\n".join(reports))]
     assert not missing, (missing, reports)
     assert f"did not complete within {TIMEOUT} s" not in err, err
+    assert took < EARLY, took
+
+
+BAD_ROOT_CALLS = {
+    "broadcast_object": "mpicomm.broadcast_object({'from': r}, root=root)",
+    "gather_object": "mpicomm.gather_object({'from': r}, root=root)",
+    "save_on_rank0": "mpicomm.save_on_rank0({'from': r}, os.path.join(os.path.dirname(__file__), 'ck.pkl'), root=root)",
+}
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("call", sorted(BAD_ROOT_CALLS))
+def test_a_root_out_of_range_on_one_rank_is_named_on_every_rank(tmp_path, call, n):
+    """Root 0 on every rank but rank 0 itself, which passes a root out of range: rank 0
+    raises InvalidArgumentError, and every other rank, waiting for root 0, raises the
+    refusal or (blocked inside the transport call) ends the job with a report naming it,
+    within seconds, never at the timeout."""
+    code = HEAD.replace("import sys,", "import os, sys,") + f"""
+root = n + 3 if r == 0 else 0
+try:
+    {BAD_ROOT_CALLS[call]}
+    print(f"rank {{r}}: returned", flush=True)
+except mpicomm.InvalidArgumentError as e:
+    print(f"rank {{r}}: raised {{type(e).__name__}}: {{e}}", flush=True)
+"""
+    p, took = _job(tmp_path, code, n)
+    bad = rf"invalid root={n + 3}: expected a .*rank.* in 0\.\.{n - 1}"
+    assert re.search(rf"^rank 0: raised InvalidArgumentError: {bad}", p.stdout, re.M), (p.stdout, p.stderr)
+    for q in range(1, n):
+        assert (re.search(rf"^rank {q}: raised RefusedElsewhereError: rank 0 refused .*{bad}", p.stdout, re.M)
+                or re.search(rf"^\[mpicomm rank {q}\] .*rank 0 refused .*{bad}", p.stderr, re.M)), (p.stdout, p.stderr)
+    assert f"did not complete within {TIMEOUT} s" not in p.stderr, p.stderr
     assert took < EARLY, took
 
 

@@ -9,6 +9,8 @@ import pickle
 import numpy as np
 
 from .. import broadcast_object
+from .._ops import BROADCAST
+from .._sizes import early
 from .._state import get_group
 from ..errors import InvalidArgumentError, invalid
 
@@ -66,10 +68,15 @@ def save_on_rank0(state, path, save=None, root=0, group=None):
 
 
 def _group_with_root(group, root):
-    """The group, where ``root`` is one of its ranks (else InvalidArgumentError naming it)."""
+    """The group, where ``root`` is one of its ranks, else InvalidArgumentError naming it,
+    raised on every rank: refused as the group's next call (the broadcast), so that the
+    ranks whose root passed do not wait in it."""
     g = get_group(group)
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
-        raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+
+    def check():
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
+            raise invalid("root", root, f"a rank of the group in 0..{g.size - 1}")
+    early(g, BROADCAST, check)
     return g
 
 
