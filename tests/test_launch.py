@@ -1055,7 +1055,6 @@ NETNS_SCRIPT = os.path.join(ROOT, "scripts", "netns_cluster.sh")
 
 @spawns_mpirun
 @pytest.mark.timeout(300)
-@pytest.mark.slow
 def test_launch_timeout_names_the_host_that_never_started(tmp_path):
     """Two network namespaces; node2's sshd is stopped (SIGSTOP), so ssh to it connects and
     then waits: mpicomm-run on node1 names node2 after --launch-timeout, exits 124, and

@@ -111,7 +111,6 @@ def _cluster_up_down():
 
 @spawns_mpirun
 @pytest.mark.timeout(600)
-@pytest.mark.slow
 def test_two_host_job(tmp_path, cluster):
     hostfile = cluster
     script = tmp_path / "two_host.py"
