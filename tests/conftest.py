@@ -26,13 +26,6 @@ def pytest_report_header(config):
         return None
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests marked ``slow`` first, the others in their order: the serial stage's
-    processes (pytest-xdist) then start the longest ones early, and none of them is the
-    stage's last minute."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def comm():
     """mpicomm initialised once for the session (backend from MPICOMM_BACKEND or auto)."""

@@ -188,12 +188,7 @@ def _env():
     return env
 
 
-SLOW_COMMANDS = ("scripts/smoke.sh",)   # (tens of seconds: collected first, tests/conftest.py)
-
-
-@pytest.mark.parametrize("doc,line,cmd,before",
-                         [pytest.param(*r, marks=pytest.mark.slow) if r[2] in SLOW_COMMANDS else r for r in RUN],
-                         ids=[f"{d}:{n}" for d, n, _, _ in RUN])
+@pytest.mark.parametrize("doc,line,cmd,before", RUN, ids=[f"{d}:{n}" for d, n, _, _ in RUN])
 def test_documented_command_runs(doc, line, cmd, before, workdir):
     """Run as written, after the export lines above it in its block: from the repository for
     scripts/ commands, else beside hello.py."""

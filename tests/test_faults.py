@@ -437,7 +437,6 @@ def test_load_no_wrong_value_no_growth(gpu):
         assert int(kv["rss_growth_big"]) < 16 << 20, kv
 
 
-@pytest.mark.slow
 def test_large_count_all_reduce_and_broadcast():
     # 2**31 + 5 int8 elements in place (2 GiB a rank, about 2.2 GB peak a process at 2 ranks)
     p, _ = run(2, "bigcount", limit=600, env={"MPICOMM_TIMEOUT": "600"})

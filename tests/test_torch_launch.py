@@ -4,8 +4,6 @@ import json
 import os
 import re
 
-import pytest
-
 from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 from launch_support import SKLEARN, TORCH, require_module
 
@@ -42,7 +40,6 @@ def test_init_process_group_without_mpicomm_init():
     assert sorted(re.findall(r"^ok (\d) 2$", p.stdout, re.M)) == ["0", "1"]
 
 
-@pytest.mark.slow
 def test_train_torch_reaches_its_accuracy():
     require_module("sklearn", SKLEARN)
     p = _run([os.path.join("scripts", "train_torch.py"), "--epochs", "6", "--min-accuracy", "0.9"])

@@ -288,9 +288,7 @@ REPORTED = {   # the report each rank raises: a call named by the rings, or call
 
 @spawns_mpirun
 @pytest.mark.timeout(600)
-# (history, the longest of the tests that take the namespaces' lock, is collected first:
-# only one of them, or the others would wait for the lock at the stage's start)
-@pytest.mark.parametrize("found_by", ["rings", pytest.param("history", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("found_by", ["rings", "history"])
 def test_calls_that_differ_between_hosts_raise_on_every_rank_and_the_group_goes_on(tmp_path, cluster, found_by):
     """The same difference caught by the script: every rank of both hosts raises
     CollectiveMismatchError, after the same call of the group, within seconds of the first

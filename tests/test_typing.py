@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {"mpicomm/__init__.py", "mpicomm/_collectives.py", "mpicomm/_world.py", "mpicomm/errors.py",
           "mpicomm/ops.py"}
@@ -24,7 +22,6 @@ def test_the_checked_set_holds_the_public_api():
     assert (ROOT / "mpicomm" / "py.typed").exists()
 
 
-@pytest.mark.slow
 def test_mypy_finds_no_errors(tmp_path):
     env = dict(os.environ, MYPY_CACHE_DIR=str(tmp_path / "mypy-cache"))
     r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "setup.cfg", "--no-error-summary"],
