@@ -292,15 +292,32 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         from .._callspec import PeerSpec
 
         me_spec = disp.spec_for(seq)
-        time.sleep(2 * TIMING.watch_every)   # the peers' watchdogs publish their specs (two of their wakes)
+        specs = self._peer_specs(g, disp, seq, bad)
         calls = [f"rank {self.progress.wrank}: {me_spec.describe() if me_spec else NAMES.get(int(m[b]) & 15, '?')}"]
         for j, wr, _ in bad:
-            row = agr.read_row(self.progress, wr, disp.slots[j])
-            sw = agr.spec_words(row, seq) if row is not None else None
+            sw = specs.get(wr)
             calls.append(f"rank {wr}: " + (PeerSpec(sw).describe(me_spec) if sw is not None else "another call"))
         why = (f"{NAMES.get(int(m[b]) & 15, '?')} sequence {seq} on group {g.name!r}: the ranks called "
                f"differently: " + "; ".join(calls))
         return self._fire_mismatch(g, seq, why, waited)
+
+    def _peer_specs(self, g, disp, seq, bad):
+        """{world rank: SPEC words} of the members in ``bad`` whose call ``seq`` differs: each
+        publishes its description (as it enters the call, or at its watchdog's next wake); this
+        waits for those words, at most TIMING.spec_wait, and names "another call" for a member
+        whose words did not come."""
+        specs = {}
+        deadline = time.monotonic() + TIMING.spec_wait
+        while True:
+            for j, wr, _ in bad:
+                if wr not in specs:
+                    row = agr.read_row(self.progress, wr, disp.slots[j])
+                    sw = agr.spec_words(row, seq) if row is not None else None
+                    if sw is not None:
+                        specs[wr] = sw
+            if len(specs) == len(bad) or time.monotonic() > deadline:
+                return specs
+            time.sleep(TIMING.watch_every / 10)
 
     def _fire_mismatch(self, g, seq, why, waited):
         with self._lock:
