@@ -13,7 +13,7 @@
 # MPICOMM_TEST_STRICT=1 (set by .ci/run) fails them instead.
 # With --full the MPI tests also run once at 2 ranks through the Python call path
 # (MPICOMM_NATIVE=0) where the compiled one is built.
-# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=3 (processes for
+# Environment: MPICOMM_TEST_RANKS="2 3" (rank counts), MPICOMM_TEST_JOBS=4 (processes for
 #              the serial tests; 1: one), MPICOMM_TEST_SERIAL=0 (skip the serial stage: only
 #              the MPI stages run), MPICOMM_TEST_TIMEOUT (s per run;
 #              default 1500 for the serial run, 600 for each MPI run),
@@ -95,9 +95,9 @@ stage() {
 if [ "${MPICOMM_TEST_SERIAL:-1}" != 0 ]; then
     echo "== serial tests (launcher, tools, fault tests that start their own mpirun)"
     # The serial tests mostly wait for the jobs they start (timeouts, reports): run in
-    # MPICOMM_TEST_JOBS processes (default 3, on 2 cores too: most of their time is waiting for
+    # MPICOMM_TEST_JOBS processes (default 4, on 2 cores too: most of their time is waiting for
     # the jobs they start; pytest-xdist), each taking the next test when it is free.
-    jobs=${MPICOMM_TEST_JOBS:-3}
+    jobs=${MPICOMM_TEST_JOBS:-4}
     par=()
     if [ "$jobs" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
         par=(-n "$jobs" --dist worksteal)
