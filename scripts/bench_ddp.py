@@ -216,7 +216,7 @@ def make(case, mode, device, args, cap=None):
     model = model.to(device)
     cap = args.bucket_cap_mb if cap is None else cap
     if mode == "mpicomm_step":   # the optimizer applied bucket by bucket during backward
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        opt = optimizer(model.parameters(), args)
         model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, optimizer=opt, overlap_step=True)
         return model, opt, desc
     if mode in ("mpicomm", "mpicomm_dense"):
@@ -225,8 +225,16 @@ def make(case, mode, device, args, cap=None):
     elif mode == "ddp":
         kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=True, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = optimizer(model.parameters(), args)
     return model, opt, desc
+
+
+def optimizer(params, args):
+    """--optimizer: SGD with momentum 0.9 (torch's default, foreach, kernels), the same with
+    fused=True (one kernel for every parameter), or AdamW (weight decay 0.01)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9, fused=args.optimizer == "sgd-fused" or None)
 
 
 def step_fn(case, model, opt, device, batches, amp=None):
@@ -363,6 +371,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None, help="per-rank batch (64 images, 8 sequences, 16 small)")
     p.add_argument("--seq", type=int, default=1024, help="GPT-2 sequence length (1024)")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "sgd-fused", "adamw"),
+                   help="every mode's optimizer: SGD with momentum 0.9 (sgd), the same with fused=True "
+                        "(sgd-fused), or AdamW (weight decay 0.01) (default sgd)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both wrappers' bucket cap (25)")
     p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm, mpicomm_dense "
                    "(mpicomm with embedding_grads='all_reduce': DDP's way for embeddings), mpicomm_step (the "
@@ -401,7 +412,8 @@ def main(argv=None):
     where = (f"{n} x {torch.cuda.get_device_name(device)}" if cuda else f"{n} CPU ranks on {os.cpu_count()} cores")
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ranks": n, "device": where,
                "torch": torch.__version__, "mpicomm_backend": mpicomm.get_backend(), "ddp_backend": backend,
-               "steps": args.steps, "rounds": args.rounds, "bucket_cap_mb": args.bucket_cap_mb, "models": {}}
+               "steps": args.steps, "rounds": args.rounds, "bucket_cap_mb": args.bucket_cap_mb,
+               "optimizer": args.optimizer, "models": {}}
     failed = False
     for nm in names:
         case = allc[nm]
@@ -443,7 +455,7 @@ def main(argv=None):
     if rank == 0:
         cols = [m for m in COMM_MODES if m in modes]
         print(f"# bench_ddp: {where}, torch {torch.__version__}, mpicomm {mpicomm.get_backend()}, DDP {backend} "
-              f"(gradient_as_bucket_view), bucket cap {args.bucket_cap_mb:g} MiB, {args.steps} steps x "
+              f"(gradient_as_bucket_view), bucket cap {args.bucket_cap_mb:g} MiB, optimizer {args.optimizer}, {args.steps} steps x "
               f"{args.rounds} rounds (median), {results['date']}")
         print("| model | batch/rank | floor ms | " + " | ".join(f"{LABEL[m]} ms (exposed, of floor)" for m in cols)
               + " | mpicomm/DDP exposed | same params on all ranks | param diff vs DDP |")

@@ -4,6 +4,8 @@ import json
 import os
 import re
 
+import pytest
+
 from conftest import ROOT, clean_mpi_env, mpirun_argv, run_job
 from launch_support import SKLEARN, TORCH, require_module
 
@@ -82,9 +84,27 @@ def test_bench_ddp_cpu_smoke(tmp_path):
             "param diff vs DDP |") in p.stdout
 
 
+@pytest.mark.parametrize("opt", ["sgd-fused", "adamw"])
+def test_bench_ddp_other_optimizers(tmp_path, opt):
+    """--optimizer: every mode trains with it (fused SGD, AdamW), the overlapped step's copy
+    equals the unfused one's bit for bit, and the table and results name it."""
+    out = tmp_path / "ddp.json"
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "small", "--tiny", "--steps", "2", "--warmup", "1",
+              "--rounds", "1", "--check-steps", "3", "--overlap-step", "--optimizer", opt, "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["optimizer"] == opt and f"optimizer {opt}," in p.stdout
+    r = res["models"]["small"]
+    assert r["check_ok"] is True and r["rel_param_change"] > 0 and r["rel_param_diff_vs_ddp"] <= 1e-4
+    assert r["rel_param_diff_step_vs_unfused"] == 0.0
+    assert r["same_params_on_every_rank"] == {"ddp": True, "mpicomm": True, "mpicomm_step": True}
+
+
 def test_bench_ddp_rejects_unknown_names():
     p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "vgg"], timeout=120)
     assert p.returncode != 0 and "--model vgg: expected some of resnet50, gpt2, small" in p.stderr
     p = _run([os.path.join("scripts", "bench_ddp.py"), "--modes", "none,fsdp"], timeout=120)
     assert p.returncode != 0 and ("--modes none,fsdp: expected some of none, ddp, mpicomm, mpicomm_dense, "
                                   "mpicomm_step") in p.stderr, p.stderr
+    p = _run([os.path.join("scripts", "bench_ddp.py"), "--optimizer", "lamb"], timeout=120)
+    assert p.returncode != 0 and "--optimizer: invalid choice: 'lamb' (choose from" in p.stderr, p.stderr
