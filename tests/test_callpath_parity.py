@@ -96,14 +96,35 @@ def after_disagreement(n, r, key, raised):
     """The calls after a disagreement (docs/RELIABILITY.md, "Agreement check"): a rank that
     returned from the call before the report came (``raised`` None) raises it at its next
     call, which it refuses, so the others may raise there too; the call after that returns
-    the sum computed here on every rank. Returns the error this rank raised for it."""
+    the sum computed here on every rank. Returns the error this rank raised for it. (Both
+    calls are made before anything is asserted: a check that fails on one rank leaves the
+    ranks' counts of calls alike, so it fails this test alone, not the ones after it.)"""
     try:
         checked_sum(n, r, key + "1")
     except CollectiveMismatchError as e:
         raised = raised or str(e)
-    assert raised is not None, f"rank {r} returned from the disagreeing call and its next call did not raise"
     checked_sum(n, r, key + "2")
+    assert raised is not None, f"rank {r} returned from the disagreeing call and its next call did not raise"
     return raised
+
+
+def guarded(fn, *args):
+    """``fn(*args)``, or the AssertionError it raised (compared, and so shown, after the
+    group's next calls)."""
+    try:
+        return fn(*args)
+    except AssertionError as e:
+        return e
+
+
+def raised_by(fn, kind):
+    """``fn()``'s error of class ``kind`` (asserted after the group's next calls, see
+    after_disagreement), or an AssertionError naming what it did instead."""
+    try:
+        got = fn()
+    except kind as e:
+        return e
+    return AssertionError(f"did not raise {kind.__name__} (returned {got!r})")
 
 
 def wait_until(cond, what):
@@ -240,18 +261,18 @@ def test_async_repeat_disagreement_leaves_no_work_behind(multi, path, request):
                 wait_until(lambda: entered(d, bad, seq), f"call {seq} of rank {bad}")
             else:
                 wait_until(lambda: d.mem[d.row + AT_POISON], "report of the finder")
-            with pytest.raises(CollectiveMismatchError) as ei:
-                mpicomm.all_reduce(x, async_op=True)
-            err = str(ei.value)
-            del ei
-            # the finder took part (its own signature, done, not raised before the call);
-            # a later rank refused the call before taking part
-            f = words(d, seq)
-            assert f == ((True, True, False, sig_of(x)) if r == finder else (True, True, True, "refused")), f
-            same_on_both_paths(request, "words", f)
+            e = raised_by(lambda: mpicomm.all_reduce(x, async_op=True), CollectiveMismatchError)
+            err = str(e) if isinstance(e, CollectiveMismatchError) else None
+            f = guarded(words, d, seq)
         gc.collect()
         left = [wk.description for wk in base._dropped]   # waited for at the next call
         err = after_disagreement(n, r, key, err)
+        if r != bad:
+            assert isinstance(e, CollectiveMismatchError), e
+            # the finder took part (its own signature, done, not raised before the call);
+            # a later rank refused the call before taking part
+            assert f == ((True, True, False, sig_of(x)) if r == finder else (True, True, True, "refused")), f
+            same_on_both_paths(request, "words", f)
     assert d.seq >= seq
     assert "dtype" in err or "reported" in err or "refused" in err, err
     assert not left, f"the Work of a call that raised here is waited for at the next call: {left}"
@@ -285,18 +306,17 @@ def test_refusal_on_one_rank(multi, path, request):
     bad = refuser(n, 1)
     x, o = prepared_with_out(n, r, request.node.name, bad)
     seq = d.seq + 1
-    with pytest.raises(InvalidArgumentError) as ei:
-        mpicomm.all_reduce(x, out=o)
-    f = words(d, seq)
+    e = raised_by(lambda: mpicomm.all_reduce(x, out=o), InvalidArgumentError)
+    f = guarded(words, d, seq)
+    checked_sum(n, r, request.node.name + "after")
+    assert isinstance(e, InvalidArgumentError), e
     if r == bad:
-        assert not isinstance(ei.value, RefusedElsewhereError) and "out" in str(ei.value), ei.value
+        assert not isinstance(e, RefusedElsewhereError) and "out" in str(e), e
         assert f == (True, True, True, "refused"), f
         same_on_both_paths(request, "words", f)
     else:
-        assert isinstance(ei.value, RefusedElsewhereError) and f"rank {bad} refused all_reduce" in str(ei.value)
+        assert isinstance(e, RefusedElsewhereError) and f"rank {bad} refused all_reduce" in str(e)
         assert f[1], f   # (taken part and stood in for, or refused on the report: as it came)
-    del ei
-    checked_sum(n, r, request.node.name + "after")
 
 
 @pytest.mark.mpi
@@ -314,14 +334,13 @@ def test_disagreement_in_a_blocking_call(multi, path, request):
         np.testing.assert_array_equal(mpicomm.all_reduce(parts[r]), want)
     x = data(r, key, (4,), np.int32 if r == bad else np.float32)
     seq = d.seq + 1
-    with pytest.raises(CollectiveMismatchError) as ei:
-        mpicomm.all_reduce(x)
-    assert "dtype" in str(ei.value) or "reported" in str(ei.value), ei.value
-    del ei
-    f = words(d, seq)
+    e = raised_by(lambda: mpicomm.all_reduce(x), CollectiveMismatchError)
+    f = guarded(words, d, seq)
+    checked_sum(n, r, key + "after")
+    assert isinstance(e, CollectiveMismatchError), e
+    assert "dtype" in str(e) or "reported" in str(e), e
     assert f == (True, True, False, sig_of(x)), f
     same_on_both_paths(request, "words", f)
-    checked_sum(n, r, key + "after")
 
 
 @pytest.mark.mpi
@@ -343,17 +362,16 @@ def test_report_arriving(multi, path, request, when):
         wait_until(lambda: all(entered(d, j, seq) for j in others), f"call {seq} of every other rank")
     if r != bad and when == "before":
         wait_until(lambda: d.mem[d.row + AT_POISON], f"report of rank {bad}")
-    with pytest.raises(InvalidArgumentError) as ei:
-        mpicomm.all_reduce(x, out=o)
-    f = words(d, seq)
-    if r == bad:
-        assert "out" in str(ei.value) and f == (True, True, True, "refused"), (ei.value, f)
-    else:
-        assert isinstance(ei.value, RefusedElsewhereError) and f"rank {bad} refused all_reduce" in str(ei.value)
-        assert f == ((True, True, True, "refused") if when == "before" else (True, True, False, sig_of(x))), f
-    del ei
-    same_on_both_paths(request, "words", f)
+    e = raised_by(lambda: mpicomm.all_reduce(x, out=o), InvalidArgumentError)
+    f = guarded(words, d, seq)
     checked_sum(n, r, request.node.name + "after")
+    assert isinstance(e, InvalidArgumentError), e
+    if r == bad:
+        assert "out" in str(e) and f == (True, True, True, "refused"), (e, f)
+    else:
+        assert isinstance(e, RefusedElsewhereError) and f"rank {bad} refused all_reduce" in str(e)
+        assert f == ((True, True, True, "refused") if when == "before" else (True, True, False, sig_of(x))), f
+    same_on_both_paths(request, "words", f)
 
 
 @pytest.mark.mpi
@@ -384,13 +402,14 @@ def test_dropped_work(comm, path, request):
         MPI.COMM_WORLD.Barrier()   # the user's own communicator: the others start after rank 0
         if r != 0:
             assert mpicomm.all_reduce(parts[r], out=out, async_op=True).wait() is out
-        assert words(d, seq) == (True, True, False, sig_of(parts[r])), words(d, seq)
+        f = guarded(words, d, seq)
         checked_sum(n, r, key + "after")   # (rank 0: the dropped Work completes first)
+        assert f == (True, True, False, sig_of(parts[r])), f
     assert not base._dropped
     np.testing.assert_array_equal(out, want)
     warned = [c for c in caught if base.DROPPED_WARNING in str(c.message)]
     assert len(warned) == (1 if r == 0 and n > 1 else 0), warned
-    same_on_both_paths(request, "words", words(d, seq))
+    same_on_both_paths(request, "words", f)
 
 
 # ------------------------------------------------------------------ the key, without MPI
