@@ -230,11 +230,12 @@ def make(case, mode, device, args, cap=None):
 
 
 def optimizer(params, args):
-    """--optimizer: SGD with momentum 0.9 (torch's default, foreach, kernels), the same with
+    """--optimizer: SGD with momentum 0.9 (torch's default implementation), the same with
     fused=True (one kernel for every parameter), or AdamW (weight decay 0.01)."""
     if args.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=args.lr, momentum=0.9, fused=args.optimizer == "sgd-fused" or None)
+    fused = {"fused": True} if args.optimizer == "sgd-fused" else {}
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9, **fused)
 
 
 def step_fn(case, model, opt, device, batches, amp=None):
