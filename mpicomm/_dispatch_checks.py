@@ -122,19 +122,28 @@ class AgreementPaths:
         p = self.rel.progress
         p.cas(p.wrank, self.row + AT_POISON, expected, new)
 
-    def _decision_wait(self):
-        """Seconds to wait for a reporter's final words and its decision on a fresh
-        communicator (the members must decide alike, on MPI and on NCCL's host arrays)."""
-        return TIMING.decision_wait
+    def _patience(self):
+        """Seconds a step of the protocol waits for a member's word (its description, its
+        decision on a fresh communicator): the job's timeout, without bound where there is
+        none. Every such word comes (each is written before its writer waits for anything of
+        this rank's), so the wait ends by acknowledgement; the bound only matters where a
+        member is gone, which the watchdog reports within the timeout. With the timeout off
+        there is no watchdog to publish a waiting member's description: TIMING.untimed_wait."""
+        t = self.rel.ctx.timeout if self.rel is not None else 0
+        return t if t and t > 0 else TIMING.untimed_wait
 
-    def _answer(self, k):
+    def _answer(self, k, upto=None):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
-        and decides from it whether the group needs a fresh communicator."""
+        and decides from it whether the group needs a fresh communicator. With ``upto``, also
+        the calls after ``k`` up to ``upto`` that this rank made (a member refusing one of them
+        stands in for it from its description); ``k``'s last, so that it stays."""
         from ._reliability.agreement import publish_spec
+        from ._reliability.progress import SPEC_SLOTS
 
-        sp = self.spec_for(k)
-        if sp is not None:
-            publish_spec(self.mem, self.row, k, sp)
+        for c in ([*range(max(k + 1, upto - SPEC_SLOTS + 2), upto + 1)] if upto is not None else []) + [k]:
+            sp = self.spec_for(c)
+            if sp is not None:
+                publish_spec(self.mem, self.row, c, sp)
 
     def _raised_here(self, seq):
         """Call ``seq`` raised on this rank (also outside the agreement check's paths: a
@@ -184,9 +193,9 @@ class AgreementPaths:
             wr = g.ranks[peer]
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
                              lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
-                             timeout=TIMING.spec_wait)
+                             timeout=self._patience())
             sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
-            other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described in time)"
+            other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
             if sw is not None and mine is not None:
@@ -229,23 +238,25 @@ class AgreementPaths:
             self._after(seq, False)
             m[b + AT_DONE] = m[b]
             raise e if e is not None else CollectiveMismatchError(reason)
-        t0 = time.monotonic()
 
         def decided(rows):
-            # the stand-in needs the specs of the members that took part: a refusal that cannot stand
-            # in leaves the group a fresh start that the reporters did not decide
-            late = time.monotonic() - t0 > TIMING.stand_in_wait
+            # every member has refused or entered; of those that entered, one has published its
+            # description (each does: as it reports or answers a report, or at its watchdog's
+            # next wake while it waits in the call), which the stand-in needs: a refusal that
+            # could not stand in would leave the group a fresh start its reporter did not decide
+            entered, described = False, False
             for j, row in rows.items():
                 if row is None:
                     continue      # no answer: taken as gone
                 _, st = ring_word(row, seq)
                 if st == "behind":
                     return False
-                if st in ("entered", "ahead") and spec_words(row, seq) is None and not late:
-                    return False   # it took part: its spec is needed for the stand-in
-            return True
+                if st in ("entered", "ahead"):
+                    entered = True
+                    described = described or spec_words(row, seq) is not None
+            return described or not entered
 
-        rows = wait_rows(self.rel.progress, members, self.slots, decided)
+        rows = wait_rows(self.rel.progress, members, self.slots, decided, timeout=self._patience())
         states = {j: (ring_word(r, seq)[1] if r is not None else "gone") for j, r in rows.items()}
         entered = [j for j, st in states.items() if st in ("entered", "ahead")]
         specs = [spec_words(rows[j], seq) for j in entered]
@@ -255,9 +266,11 @@ class AgreementPaths:
         try:   # (not for a member that started the call async: a blocking stand-in never
             # matches its nonblocking collective; its request is left, and the group starts afresh)
             if specs and not specs[0].sized and not specs[0].started:
+                self.standing = seq   # (the watchdog watches the stand-in, not the wait before it)
                 self._stand_in(code, specs[0])
                 stood = True
         finally:
+            self.standing = 0
             m[b + AT_DONE] = m[b]
             fresh = bool(entered) and not stood
             self._after(seq, fresh)
@@ -265,7 +278,7 @@ class AgreementPaths:
         if e is not None:
             raise e
         if who is not None:   # the reporter's final words (it may have been describing still)
-            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
         raise _peer_error(text or reason)
 
     def refuse_early(self, code, e):
@@ -385,14 +398,15 @@ class AgreementPaths:
             self.refuse(seq, code, own, reason, who)
         # k < seq: this rank's call k is over (it returned before the report came): it
         # raises the report now, refusing call seq, so that members already inside call
-        # seq are stood in for and raise too (every rank's count of calls stays alike)
-        self._answer(k)
+        # seq are stood in for and raise too (every rank's count of calls stays alike).
+        # Its calls since k described too: a member that refuses one of them stands in for it
+        self._answer(k, seq - 1)
         # the reporter's decision first: where the members make a fresh communicator at their
         # next call (this one), this rank makes it with them before refusing the call (else
         # its refusal would wait for members that wait for it in the duplication)
         decided = None
         if not word & ACROSS:
-            decided = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+            decided = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
             if self._fresh(decided[1], k):
                 self._raised_here(k)
                 self._resync_now(seq, code)
@@ -418,7 +432,7 @@ class AgreementPaths:
         """The decision of reporter ``who`` that was not there in time before this rank's
         refusal: read once more (a fresh communicator at this rank's next call); None when
         still undecided."""
-        return self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())[1]
+        return self.rel.progress.reason_of(who, decision=True, wait=self._patience())[1]
 
     def _fresh(self, decision, k):
         """Whether the group makes a fresh communicator after call ``k``: the reporter's
@@ -434,7 +448,7 @@ class AgreementPaths:
         (once it has decided, after its stand-in, whether the group needs a fresh start)."""
         who = self.group.ranks[j]
         self._answer(seq)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
         m, b = self.mem, self.row
         word = m[b + AT_POISON]
         if word and (word >> 24) == seq:
@@ -458,8 +472,8 @@ class AgreementPaths:
             self._raised_here(k)
             raise _peer_error((report_of(self.rel.progress, word) or f"rank {who} found that calls differ between "
                                "hosts") + f" [raised after call {k}, on every rank of the group]")
-        self._answer(k)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._decision_wait())
+        self._answer(k, seq)   # (and call seq, which a member may refuse: the report came first there)
+        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
         self._after(k, self._fresh(resync, k))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 

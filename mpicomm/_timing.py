@@ -1,7 +1,8 @@
 """Every timing value of the reliability machinery, in one object: :data:`TIMING`.
 
 Each field is a number of seconds that some part of mpicomm waits for (its comment says
-which); the timeout itself (``init(timeout=...)``, MPICOMM_TIMEOUT) is not one of them. The
+which); none of them decides how a disagreement ends: the steps of that protocol wait for
+each other's words, bounded only by the timeout (mpicomm._dispatch_checks). The timeout itself (``init(timeout=...)``, MPICOMM_TIMEOUT) is not one of them. The
 modules read ``TIMING.field`` where they wait, never a copy taken at import, so a change to
 the object takes effect at the next wait: tests set fields on it (``monkeypatch.setattr``),
 and :func:`mpicomm.init` sets those that MPICOMM_TIMING names, for example
@@ -42,10 +43,11 @@ class Timing:
     xhost_give_up: float = 5.0   # a read of the other host's rows, before it is abandoned
     xhost_ahead: float = 0.5     # of calls at the teller's present pace (16 calls at least): how far ahead the
     #                              call lies after which every member raises a difference told across hosts
-    # --- a rank's own reports of a disagreement (mpicomm._dispatch_checks)
-    spec_wait: float = 2.0       # a reporting rank, for the spec of the member whose call differs
-    stand_in_wait: float = 3.5   # a refusing rank, for the specs of the members that took part (its stand-in)
-    decision_wait: float = 5.5   # a member, for the reporter's decision on a fresh communicator (above stand_in_wait)
+    untimed_wait: float = 6.0    # with the timeout off (no watchdog to publish a waiting member's description or
+    #                              end the job): how long a rank that reports or refuses a disagreement waits for a
+    #                              member's word (mpicomm._dispatch_checks; with a timeout, the timeout bounds it)
+    spec_wait: float = 2.0       # the watchdog's report of a call that cannot complete, for the descriptions of
+    #                              the members whose calls differ (a member not described in time: "another call")
     # --- leaving
     leave_wait: float = 12.0     # a rank leaving its script, for its peers to leave too (with a non-zero status:
     #                              then it ends the job itself); above exit_check + 2 * grace, so they can report it

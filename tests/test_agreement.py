@@ -21,13 +21,12 @@ from mpicomm._timing import TIMING
 pytestmark = pytest.mark.mpi
 
 def _limit():
-    """s within which each rank raises: 4 times the longest wait, room for a crowded 2-core
-    machine, and half the watchdog's timeout at most, which is what a disagreement that no
-    check found would wait for. The longest wait: a report reaches every rank within
-    TIMING.spec_wait, but for a rank that had returned from the call before the report and
-    whose next call waits for the reporter's decision on a fresh communicator
-    (TIMING.decision_wait, where the reporter's stand-in waits for specs; docs/RELIABILITY.md)."""
-    longest = max(TIMING.spec_wait, TIMING.decision_wait)
+    """s within which each rank raises: room for a crowded 2-core machine, and half the
+    watchdog's timeout at most, which is what a disagreement that no check found would wait
+    for. A report reaches every rank within a few of the watchdog's wakes; the protocol's
+    steps wait for each other's words (docs/RELIABILITY.md), and where a call cannot
+    complete the watchdog ends the job TIMING.refusal_wait after its refusal is over."""
+    longest = TIMING.spec_wait + TIMING.refusal_wait
     timeout = mpicomm._state.CTX.timeout
     return min(4 * longest, timeout / 2) if timeout else 4 * longest
 
@@ -263,6 +262,33 @@ def test_randomized_disagreements(multi):
             return False
 
         _run_case(n, r, call, 1000 + 10 * c, returns_ok=ok)
+
+
+@pytest.mark.parametrize("coll", ["reduce", "gather"])
+def test_late_root_stands_in_after_the_members_went_on(multi, coll):
+    """One rank passes op max (reduce) or another dtype of the same size (gather); the root
+    comes to the call late. The other ranks' sends complete without it, they find the
+    difference, raise, and wait in their next call, whose description their watchdogs publish.
+    The root then refuses the call, and stands in for it from a member's description of it,
+    which each rank keeps while it describes the call it waits in next (the decision on a
+    fresh communicator then agrees with the reporters': none). Every rank raises, and the
+    next call returns correct sums on the same communicator. (Was: the root found only the
+    descriptions of the next call, could not stand in, and decided on a fresh communicator
+    alone; the watchdog ended the job.)"""
+    n, r = multi
+    root = n - 1
+    dt = np.int64 if (coll == "gather" and r == 0) else np.float64
+    x = (np.random.default_rng([31, r]).standard_normal(3) * 100).astype(dt)
+
+    def case():
+        if r == root:   # the members raise and wait in their next call, described (a few wakes)
+            time.sleep(1.0 + 4 * TIMING.watch_every)
+        if coll == "reduce":
+            return mpicomm.reduce(x, op="max" if r == 0 else "sum", root=root)
+        return mpicomm.gather(x, root=root)
+
+    err = _run_case(n, r, case, 700, returns_ok=lambda res: r != root and res is None)
+    assert ("op" if coll == "reduce" else "dtype") in str(err) or "reported" in str(err), err
 
 
 def test_refused_on_every_rank_many_times(multi):

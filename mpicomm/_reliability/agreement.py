@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC, SPEC_N, SPECEND, SPECSEQ,
+from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC_AT, SPEC_N, SPEC_SLOTS,
                        F, HDR, calls_base, checkpoints)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
@@ -244,25 +244,34 @@ def pending(row, seq):
 
 
 def spec_words(row, seq):
-    """The SPEC words a row (a copy) published for ``seq``, or None (another call's, or a
-    copy taken while they were being written)."""
-    if int(row[SPECSEQ]) != seq or int(row[SPECEND]) != seq:
+    """The SPEC words a row (a copy) published for ``seq``, or None (no description of that
+    call kept, or a copy taken while they were being written)."""
+    at = SPEC_AT[seq % SPEC_SLOTS]
+    if int(row[at]) != seq or int(row[at + 1 + SPEC_N]) != seq:
         return None
-    return row[SPEC:SPEC + SPEC_N]
+    return row[at + 1:at + 1 + SPEC_N]
+
+
+def spec_published(m, b, seq):
+    """True when the row at ENTERED index ``b`` of this rank's window ``m`` holds its
+    description of call ``seq``."""
+    at = b - ENTERED + SPEC_AT[seq % SPEC_SLOTS]
+    return m[at] == seq and m[at + 1 + SPEC_N] == seq
 
 
 _PUBLISH = threading.Lock()   # the main thread and the watchdog both publish descriptions
 
 
 def publish_spec(m, b, seq, spec):
-    """Write ``spec`` as this rank's call ``seq`` into the row at ENTERED index ``b``:
-    SPECEND first, SPECSEQ last (see spec_words); one writer at a time."""
-    base = b - ENTERED
+    """Write ``spec`` as this rank's call ``seq`` into the row at ENTERED index ``b``, in the
+    slot of ``seq`` (the descriptions of the last SPEC_SLOTS calls stay): SPECEND first,
+    SPECSEQ last (see spec_words); one writer at a time."""
+    at = b - ENTERED + SPEC_AT[seq % SPEC_SLOTS]
     with _PUBLISH:
-        m[base + SPECEND] = seq
+        m[at + 1 + SPEC_N] = seq
         for i, v in enumerate(spec.words()):
-            m[base + SPEC + i] = int(v) if v is not None else 0
-        m[base + SPECSEQ] = seq
+            m[at + 1 + i] = int(v) if v is not None else 0
+        m[at] = seq
 
 
 def poison_index(slot):

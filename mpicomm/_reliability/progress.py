@@ -80,7 +80,15 @@ CK_LEVELS, CK_N, CK_SHIFT, CK_STEP = 3, 4, 8, 4
 CK_MASK = (1 << CK_SHIFT) - 1   # a call with seq & CK_MASK == 0 records a checkpoint (checkpoint())
 HMUL = 16777619             # h = (h * HMUL ^ word) & HMASK: FNV-1's 32-bit step over the
 HMASK = 0xFFFFFFFF          # signature (the word's low half); its order counts
-F = CKPT + CK_LEVELS * CK_N * 2
+# The descriptions of calls (SPEC above) are kept for the last SPEC_SLOTS calls that had one,
+# slot seq % SPEC_SLOTS: SPEC_AT[slot] is the index of that slot's SPECSEQ (slot 0 is SPECSEQ,
+# the others follow the checkpoints), its SPEC_N words and SPECEND after it. A rank describes
+# the call a report is about and the call it waits in: a refusing member needs the first
+# while this rank may already be describing the second (agreement.publish_spec, spec_words).
+SPEC_SLOTS = 4
+_MORE = CKPT + CK_LEVELS * CK_N * 2
+SPEC_AT = (SPECSEQ,) + tuple(_MORE + i * (SPEC_N + 2) for i in range(SPEC_SLOTS - 1))
+F = _MORE + (SPEC_SLOTS - 1) * (SPEC_N + 2)
 WORDS = HDR + ROWS * F
 # After the rows: each row's ring of calls, CALLS_N words at calls_base(row): at
 # seq % CALLS_N, the word of the group's call seq (seq << 32 | its signature), or of its

@@ -27,7 +27,7 @@ from . import agreement as agr
 from .cross_host import CrossHostCheck
 from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
-from .progress import (DUMP, REPLAY_WAIT, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, SPECSEQ, TDONE, XSTATUS,
+from .progress import (DUMP, REPLAY_WAIT, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, TDONE, XSTATUS,
                        replay_wait, replay_wait_fields,
                        ghash, p2p_fields)
 from .stacks import Stacks, stack_path
@@ -175,8 +175,9 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
 
     # ------------------------------------------------------ the agreement check
     def _answer(self, g, b, e, d):
-        """Publish this rank's spec where a peer needs it: the call a member's report
-        (POISON) is about, else the call waiting now (for the peers' diagnosis)."""
+        """Publish this rank's description of each call a peer may need: the call a member's
+        report (POISON) is about, and the call waiting now (a refusing member stands in for
+        it; the peers' diagnosis names it). Each in its own slot (progress.SPEC_AT)."""
         m = self.progress.m
         base = b - ENTERED
         disp = getattr(g, "disp", None)
@@ -185,22 +186,26 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         pw = m[base + POISON]
         if pw & agr.ACROSS:   # (a report across hosts: its reporter has described it already)
             pw = 0
-        want = None
+        want = []
+        if e != d:   # the call waiting now, unless this rank refused it (no spec)
+            w = m[disp.cb + (e >> 4) % agr.CALLS_N]
+            if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
+                want.append(e >> 4)
         if pw:
             k, who = agr.poison_fields(pw)
             if who != self.progress.wrank and k <= e >> 4:
-                want = k
-        if want is None and e != d:   # the call waiting now, unless this rank refused it (no spec:
-            w = m[disp.cb + (e >> 4) % agr.CALLS_N]   # the SPEC words keep the reported call's)
-            if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
-                want = e >> 4
-        # (while a difference across hosts is being described, its spec stays: unless a
-        # member's report asks for this rank's call)
-        if want is None or m[base + SPECSEQ] == want or (b in self._xseen and not pw):
-            return
-        sp = disp.spec_for(want)
-        if sp is not None:
-            agr.publish_spec(m, b, want, sp)
+                # and the calls this rank made since (a member that refuses one of them, as the
+                # report reached it first, stands in for it): the reported call's last, so it stays
+                want = [c for c in [*want, *range(max(k + 1, (e >> 4) - agr.SPEC_SLOTS + 2), e >> 4)]
+                        if c == k or (c - k) % agr.SPEC_SLOTS] + [k]
+        xs = self._xseen.get(b) if not pw else None   # (while a difference across hosts is being
+        for k in want:                                # described, its description stays)
+            if xs is not None and k != xs[0] and k % agr.SPEC_SLOTS == xs[0] % agr.SPEC_SLOTS:
+                continue
+            if not agr.spec_published(m, b, k):
+                sp = disp.spec_for(k)
+                if sp is not None:
+                    agr.publish_spec(m, b, k, sp)
 
     def _members_go_afresh(self, pw, who):
         """True when the report ``pw`` (by world rank ``who``) is across hosts, or its reporter
@@ -250,20 +255,20 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             self._refused_seen.clear()
         mine = int(m[disp.cb + seq % agr.CALLS_N])
         if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
-            # this rank refused the call: its refusal is in progress (a stand-in for the
-            # members inside the call), unless that stand-in cannot complete (they left the
-            # call: raised in it, or started it async)
+            # this rank refused the call: its refusal waits for the members' words (the timeout
+            # watches that), then stands in for the members inside the call; the stand-in is
+            # watched here: it does not complete where they left the call (raised in it, or
+            # started it async)
+            if disp.standing != seq:
+                self._refused_seen.pop(key, None)
+                return False
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first < 2 * TIMING.refusal_wait:
                 return False
-            for j, wr in enumerate(g.ranks):   # a member not there yet: the refusal waits for it
-                row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
-                if row is not None and agr.ring_word(row, seq)[1] == "behind":
-                    return False
             why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
             return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
                                        "the call does not complete (they left it)", waited)
-        bad, refused, behind = [], [], False
+        bad, refused, behind, refusing = [], [], False, False
         for j, wr in enumerate(g.ranks):
             if j == g.rank:
                 continue
@@ -274,12 +279,14 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             behind = behind or st == "behind"
             if st == "refused":
                 refused.append(wr)
+                refusing = refusing or int(row[agr.DONE]) >> 4 < seq   # (its refusal not over yet)
             elif st == "entered" and w != mine:
                 bad.append((j, wr, row))
         if refused:   # the refusing rank stands in for this call: fire only if that does not come
-            # once no member is still on its way to the call (the refuser waits for them first;
-            # a member still on its way is the timeout's to watch)
-            if behind:
+            # once its refusal is over (it has written DONE for the call: it stood in, or could
+            # not) and this rank still waits. While it waits for the members (one still on its
+            # way, or their descriptions) or stands in, its own watchdog and the timeout watch it
+            if behind or refusing:
                 self._refused_seen.pop(key, None)
                 return False
             first = self._refused_seen.setdefault(key, time.monotonic())
