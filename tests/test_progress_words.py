@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpicomm._reliability import agreement as agr
-from mpicomm._reliability.progress import ENTERED, SPEC, SPEC_N, SPECEND, SPECSEQ, Progress
+from mpicomm._reliability.progress import ENTERED, F, SPEC_AT, SPEC_N, SPEC_SLOTS, SPECSEQ, Progress
 
 N_ADDS = 300
 
@@ -123,25 +123,49 @@ def test_atomics_without_a_window_use_the_lock():
 
 
 def test_a_description_copied_while_it_is_written_is_not_taken():
-    """spec_words takes a row's description only where SPECSEQ and SPECEND agree: a copy
-    taken halfway through publish_spec (SPECEND already the new call's) is refused, and so
-    is one of another call."""
+    """spec_words takes a row's description only where its slot's SPECSEQ and SPECEND agree:
+    a copy taken halfway through publish_spec (SPECEND already the new call's) is refused,
+    and so is one of another call."""
     rng = np.random.default_rng(7)
-    m = memoryview(bytearray(8 * 64)).cast("q")
-    for i in range(64):
+    m = memoryview(bytearray(8 * F)).cast("q")
+    for i in range(F):
         m[i] = 0
     b = ENTERED
     old = [int(v) for v in rng.integers(1, 1 << 40, SPEC_N)]
     new = [int(v) for v in rng.integers(1, 1 << 40, SPEC_N)]
+    later = 5 + SPEC_SLOTS   # the next call that takes call 5's slot
     agr.publish_spec(m, b, 5, Spec(old))
     row = np.frombuffer(m, np.int64).copy()
     assert list(agr.spec_words(row, 5)) == old
-    assert agr.spec_words(row, 6) is None
-    # halfway through publishing call 6: SPECEND says 6, SPECSEQ still 5, words mixed
+    assert agr.spec_words(row, 6) is None and agr.spec_words(row, later) is None
+    # halfway through publishing call `later` in slot 5's: SPECEND says later, SPECSEQ still 5
+    at = SPEC_AT[5 % SPEC_SLOTS]
     half = row.copy()
-    half[SPECEND] = 6
-    half[SPEC:SPEC + 3] = new[:3]
-    assert agr.spec_words(half, 5) is None and agr.spec_words(half, 6) is None
-    agr.publish_spec(m, b, 6, Spec(new))
+    half[at + 1 + SPEC_N] = later
+    half[at + 1:at + 4] = new[:3]
+    assert agr.spec_words(half, 5) is None and agr.spec_words(half, later) is None
+    agr.publish_spec(m, b, later, Spec(new))
     row = np.frombuffer(m, np.int64).copy()
-    assert list(agr.spec_words(row, 6)) == new and agr.spec_words(row, 5) is None
+    assert list(agr.spec_words(row, later)) == new and agr.spec_words(row, 5) is None
+
+
+def test_the_last_calls_descriptions_are_kept():
+    """A rank keeps its descriptions of its last SPEC_SLOTS calls (a refusing member reads
+    the reported call's while this rank already describes the call it waits in next); each
+    later call's takes the slot of the call SPEC_SLOTS before it."""
+    rng = np.random.default_rng(8)
+    m = memoryview(bytearray(8 * F)).cast("q")
+    for i in range(F):
+        m[i] = 0
+    b = ENTERED
+    words = {c: [int(v) for v in rng.integers(1, 1 << 40, SPEC_N)] for c in range(20, 20 + 2 * SPEC_SLOTS)}
+    for c, w in words.items():
+        agr.publish_spec(m, b, c, Spec(w))
+        row = np.frombuffer(m, np.int64).copy()
+        for k in words:
+            got = agr.spec_words(row, k)
+            if c - SPEC_SLOTS < k <= c:
+                assert got is not None and list(got) == words[k], (c, k)
+                assert agr.spec_published(m, b, k)
+            else:
+                assert got is None and not agr.spec_published(m, b, k), (c, k)

@@ -199,8 +199,9 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 want = [c for c in [*want, *range(max(k + 1, (e >> 4) - agr.SPEC_SLOTS + 2), e >> 4)]
                         if c == k or (c - k) % agr.SPEC_SLOTS] + [k]
         xs = self._xseen.get(b) if not pw else None   # (while a difference across hosts is being
-        for k in want:                                # described, its description stays)
-            if xs is not None and k != xs[0] and k % agr.SPEC_SLOTS == xs[0] % agr.SPEC_SLOTS:
+        xs = xs[0] if xs is not None and isinstance(xs[0], int) else None   # described, its
+        for k in want:                                                      # description stays)
+            if xs is not None and k != xs and (k - xs) % agr.SPEC_SLOTS == 0:
                 continue
             if not agr.spec_published(m, b, k):
                 sp = disp.spec_for(k)
