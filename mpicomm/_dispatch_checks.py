@@ -16,7 +16,8 @@ from ._backends.base import NEVER
 from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
-from ._reliability.progress import AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED
+from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
+                                   SPEC_SLOTS)
 from ._timing import TIMING
 from .errors import CollectiveMismatchError
 
@@ -132,13 +133,38 @@ class AgreementPaths:
         t = self.rel.ctx.timeout if self.rel is not None else 0
         return t if t and t > 0 else TIMING.untimed_wait
 
+    def _decide(self, k, fresh):
+        """Publish this rank's decision on call ``k`` (after its REASON): whether the group
+        makes a fresh communicator. The members that take its report wait for this word."""
+        from ._reliability.agreement import decision_index, decision_word
+
+        self.mem[self.row - ENTERED + decision_index(k)] = decision_word(k, fresh)
+
+    def _decision(self, who, k):
+        """World rank ``who``'s report and its decision on call ``k``: (text or None, True /
+        False / None where it did not come within the patience: _fresh's rule then). Waits
+        for the decision word, which ``who`` writes after its report's text."""
+        from ._reliability.agreement import decision_in, decision_index
+
+        g, p = self.group, self.rel.progress
+        fresh = None
+        if self.slots is not None and who in g.ranks:
+            at = self.slots[g.ranks.index(who)] + decision_index(0)
+            deadline = time.monotonic() + self._patience()
+            while True:
+                words = p.read_words(who, at, SPEC_SLOTS)
+                fresh = decision_in(words, k) if words is not None else None
+                if fresh is not None or words is None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+        return p.reason_of(who), fresh
+
     def _answer(self, k, upto=None):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
         and decides from it whether the group needs a fresh communicator. With ``upto``, also
         the calls after ``k`` up to ``upto`` that this rank made (a member refusing one of them
         stands in for it from its description); ``k``'s last, so that it stays."""
         from ._reliability.agreement import publish_spec
-        from ._reliability.progress import SPEC_SLOTS
 
         for c in ([*range(max(k + 1, upto - SPEC_SLOTS + 2), upto + 1)] if upto is not None else []) + [k]:
             sp = self.spec_for(c)
@@ -208,7 +234,7 @@ class AgreementPaths:
                 + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
                 "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
         self.rel.progress.set_reason(text)
-        self.rel.progress.set_decision(fresh)
+        self._decide(seq, fresh)
         self._after(seq, fresh)
         raise CollectiveMismatchError(text)
 
@@ -274,11 +300,11 @@ class AgreementPaths:
             m[b + AT_DONE] = m[b]
             fresh = bool(entered) and not stood
             self._after(seq, fresh)
-            self.rel.progress.set_decision(fresh)
+            self._decide(seq, fresh)
         if e is not None:
             raise e
         if who is not None:   # the reporter's final words (it may have been describing still)
-            text, _ = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
+            text, _ = self._decision(who, seq)
         raise _peer_error(text or reason)
 
     def refuse_early(self, code, e):
@@ -406,7 +432,7 @@ class AgreementPaths:
         # its refusal would wait for members that wait for it in the duplication)
         decided = None
         if not word & ACROSS:
-            decided = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
+            decided = self._decision(who, k)
             if self._fresh(decided[1], k):
                 self._raised_here(k)
                 self._resync_now(seq, code)
@@ -432,7 +458,7 @@ class AgreementPaths:
         """The decision of reporter ``who`` that was not there in time before this rank's
         refusal: read once more (a fresh communicator at this rank's next call); None when
         still undecided."""
-        return self.rel.progress.reason_of(who, decision=True, wait=self._patience())[1]
+        return self._decision(who, k)[1]
 
     def _fresh(self, decision, k):
         """Whether the group makes a fresh communicator after call ``k``: the reporter's
@@ -448,7 +474,7 @@ class AgreementPaths:
         (once it has decided, after its stand-in, whether the group needs a fresh start)."""
         who = self.group.ranks[j]
         self._answer(seq)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
+        reason, resync = self._decision(who, seq)
         m, b = self.mem, self.row
         word = m[b + AT_POISON]
         if word and (word >> 24) == seq:
@@ -473,7 +499,7 @@ class AgreementPaths:
             raise _peer_error((report_of(self.rel.progress, word) or f"rank {who} found that calls differ between "
                                "hosts") + f" [raised after call {k}, on every rank of the group]")
         self._answer(k, seq)   # (and call seq, which a member may refuse: the report came first there)
-        reason, resync = self.rel.progress.reason_of(who, decision=True, wait=self._patience())
+        reason, resync = self._decision(who, k)
         self._after(k, self._fresh(resync, k))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
 

@@ -169,3 +169,19 @@ def test_the_last_calls_descriptions_are_kept():
                 assert agr.spec_published(m, b, k)
             else:
                 assert got is None and not agr.spec_published(m, b, k), (c, k)
+
+
+def test_decisions_are_kept_per_call():
+    """A reporter's decision on a fresh communicator is kept per call (its last SPEC_SLOTS):
+    a member that reads the decision on call k gets it, or "not yet", even where the reporter
+    has since decided on later calls; never a later call's decision."""
+    rng = np.random.default_rng(9)
+    words = np.zeros(SPEC_SLOTS, np.int64)
+    calls = range(40, 40 + 3 * SPEC_SLOTS)
+    fresh = {k: bool(rng.integers(2)) for k in calls}
+    for k in calls:
+        assert agr.decision_in(words, k) is None   # not decided yet
+        words[agr.decision_index(k) - agr.decision_index(0)] = agr.decision_word(k, fresh[k])
+        for j in calls:
+            got = agr.decision_in(words, j)
+            assert got == (fresh[j] if k - SPEC_SLOTS < j <= k else None), (k, j, got)

@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from .._callspec import REFUSED
-from .progress import (CALLS_N, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC_AT, SPEC_N, SPEC_SLOTS,
+from .progress import (CALLS_N, DECIDED, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC_AT, SPEC_N, SPEC_SLOTS,
                        F, HDR, calls_base, checkpoints)
 
 HOST_N = 8            # calls kept in the host-shared copy of each row's ring
@@ -257,6 +257,23 @@ def spec_published(m, b, seq):
     description of call ``seq``."""
     at = b - ENTERED + SPEC_AT[seq % SPEC_SLOTS]
     return m[at] == seq and m[at + 1 + SPEC_N] == seq
+
+
+def decision_word(k, fresh):
+    """The word of a decision on call ``k``: a fresh communicator (``fresh``) or not."""
+    return k << 2 | 2 | (1 if fresh else 0)
+
+
+def decision_index(k):
+    """Where a row holds its decision on call ``k`` (from its first word)."""
+    return DECIDED + k % SPEC_SLOTS
+
+
+def decision_in(words, k):
+    """The decision on call ``k`` in ``words`` (a row's decision words, as read from
+    decision_index(0)): True (a fresh communicator), False, or None (not decided yet)."""
+    w = int(words[k % SPEC_SLOTS])
+    return bool(w & 1) if w >> 2 == k and w & 2 else None
 
 
 _PUBLISH = threading.Lock()   # the main thread and the watchdog both publish descriptions

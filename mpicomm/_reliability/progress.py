@@ -88,7 +88,11 @@ HMASK = 0xFFFFFFFF          # signature (the word's low half); its order counts
 SPEC_SLOTS = 4
 _MORE = CKPT + CK_LEVELS * CK_N * 2
 SPEC_AT = (SPECSEQ,) + tuple(_MORE + i * (SPEC_N + 2) for i in range(SPEC_SLOTS - 1))
-F = _MORE + (SPEC_SLOTS - 1) * (SPEC_N + 2)
+# A reporter's or refuser's decision on a fresh communicator after call k, at DECIDED + k %
+# SPEC_SLOTS: k << 2 | 2 | fresh (agreement.decision_word). Per call, so that a member reading
+# the decision on call k gets it even where the rank has since reported a later call.
+DECIDED = _MORE + (SPEC_SLOTS - 1) * (SPEC_N + 2)
+F = DECIDED + SPEC_SLOTS
 WORDS = HDR + ROWS * F
 # After the rows: each row's ring of calls, CALLS_N words at calls_base(row): at
 # seq % CALLS_N, the word of the group's call seq (seq << 32 | its signature), or of its
@@ -393,27 +397,13 @@ class Progress:
             self.m[at + 1 + i] = int(raw[i])
         self.m[at] = len(b)
 
-    def set_decision(self, resync):
-        """Publish, with the report, whether the group needs a fresh communicator."""
-        self.m[REASON_LEN] = (self.m[REASON_LEN] & 0xFFFFFFFF) | 1 << 32 | (1 << 33 if resync else 0)
-
-    def reason_of(self, rank, decision=False, wait=None, across=False):
+    def reason_of(self, rank, across=False):
         """World ``rank``'s last agreement report (``across``: of its comparison across
-        hosts), or None; with ``decision``, the pair (report, resync or None when not decided
-        within ``wait`` s)."""
-        deadline = time.monotonic() + (wait or 0)
-        while True:
-            w = self.read_words(rank, XREASON_LEN if across else REASON_LEN, 1 + REASON_WORDS)
-            n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
-            text = w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
-                if w is not None and 0 < n <= REASON_WORDS * 8 else None
-            if not decision:
-                return text
-            if w is not None and int(w[0]) >> 32 & 1:
-                return text, bool(int(w[0]) >> 33 & 1)
-            if w is None or time.monotonic() > deadline:
-                return text, None
-            time.sleep(0.002)
+        hosts), or None."""
+        w = self.read_words(rank, XREASON_LEN if across else REASON_LEN, 1 + REASON_WORDS)
+        n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
+        return w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
+            if w is not None and 0 < n <= REASON_WORDS * 8 else None
 
     def remove(self, g):
         b = self.rows.pop(g, None)

@@ -208,15 +208,18 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 if sp is not None:
                     agr.publish_spec(m, b, k, sp)
 
-    def _members_go_afresh(self, pw, who):
+    def _members_go_afresh(self, g, disp, pw, who):
         """True when the report ``pw`` (by world rank ``who``) is across hosts, or its reporter
-        decided that the group makes a fresh communicator: the members will not make this
-        rank's call on the old one. Where it decided not to, they come to it (the timeout
-        watches them); undecided: not yet."""
+        decided that the group makes a fresh communicator after the reported call: the members
+        will not make this rank's call on the old one. Where it decided not to, they come to it
+        (the timeout watches them); undecided: not yet."""
         if pw & agr.ACROSS:
             return True
-        _, resync = self.progress.reason_of(who, decision=True)
-        return bool(resync)
+        if who not in g.ranks:
+            return False
+        k, _ = agr.poison_fields(pw)
+        words = self.progress.read_words(who, disp.slots[g.ranks.index(who)] + agr.decision_index(0), agr.SPEC_SLOTS)
+        return words is not None and bool(agr.decision_in(words, k))
 
     def _disagreement(self, g, b, seq, waited):
         """Once per waiting call: compare every member's signature of call ``seq``; where they
@@ -235,7 +238,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             # (this rank's own word is a report when it comes from the comparison across hosts;
             # else it marks a fresh communicator due after this rank raised)
             news = k > disp.raised if pw & agr.ACROSS else who != self.progress.wrank
-            if news and k < seq and waited >= TIMING.refusal_wait and self._members_go_afresh(pw, who):
+            if news and k < seq and waited >= TIMING.refusal_wait and self._members_go_afresh(g, disp, pw, who):
                 why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
