@@ -104,7 +104,7 @@ class Dispatcher(AgreementPaths):
     __slots__ = ("group", "transport", "last", "mem", "row", "seq", "watch", "fr", "fmask", "gh",
                  "p2p_n", "p2p_what", "p2p_ev", "batch", "known",
                  "check", "rel", "peers", "p1", "p1b", "p1j", "more", "shr", "shb", "slots", "raised", "resync",
-                 "xhost", "cb", "fresh_at", "standing")
+                 "xhost", "cb", "fresh_at")
 
     def __init__(self, group, transport, mem, row, watch=None, rel=None, check=True, ring=None):
         self.group = group
@@ -137,7 +137,6 @@ class Dispatcher(AgreementPaths):
         self.raised = 0                # the last sequence number a disagreement was raised for
         self.resync = False            # a fresh communicator is due at the next call (MPI)
         self.fresh_at = 0              # the call at whose start the fresh communicator is being made
-        self.standing = 0              # the refused call this rank is standing in for (its watchdog watches it)
         self.xhost = None              # (group rank, world rank, row) on the next host, compared
         #                                by the watchdog (this rank is its host's first member)
         self.cb = calls_base(row)      # the row's ring of calls (seq << 32 | signature at seq % CALLS_N)

@@ -292,11 +292,9 @@ class AgreementPaths:
         try:   # (not for a member that started the call async: a blocking stand-in never
             # matches its nonblocking collective; its request is left, and the group starts afresh)
             if specs and not specs[0].sized and not specs[0].started:
-                self.standing = seq   # (the watchdog watches the stand-in, not the wait before it)
                 self._stand_in(code, specs[0])
                 stood = True
         finally:
-            self.standing = 0
             m[b + AT_DONE] = m[b]
             fresh = bool(entered) and not stood
             self._after(seq, fresh)

@@ -259,19 +259,23 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             self._refused_seen.clear()
         mine = int(m[disp.cb + seq % agr.CALLS_N])
         if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
-            # this rank refused the call: its refusal waits for the members' words (the timeout
-            # watches that), then stands in for the members inside the call; the stand-in is
-            # watched here: it does not complete where they left the call (raised in it, or
-            # started it async)
-            if disp.standing != seq:
-                self._refused_seen.pop(key, None)
-                return False
+            # this rank refused the call: its refusal waits for every member to come to the call
+            # (the timeout watches a member still on its way) and for a description of the call
+            # from one that entered it, then stands in for those inside. Neither the wait for a
+            # description nor the stand-in should take long: past 2 x refusal_wait, no member
+            # described the call, or the stand-in does not complete (they left the call:
+            # raised in it, or started it async)
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first < 2 * TIMING.refusal_wait:
                 return False
+            for j, wr in enumerate(g.ranks):   # a member not there yet: the refusal waits for it
+                row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
+                if row is not None and agr.ring_word(row, seq)[1] == "behind":
+                    return False
             why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
             return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
-                                       "the call does not complete (they left it)", waited)
+                                       "the call does not complete (they left it, or none of them described it)",
+                                       waited)
         bad, refused, behind, refusing = [], [], False, False
         for j, wr in enumerate(g.ranks):
             if j == g.rank:
