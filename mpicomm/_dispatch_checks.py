@@ -199,7 +199,7 @@ class AgreementPaths:
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
         ``err``): raise CollectiveMismatchError naming both calls, and tell every member."""
-        from ._reliability.agreement import publish_spec, spec_words, wait_rows
+        from ._reliability.agreement import publish_spec, ring_word, spec_words, wait_rows
 
         g = self.group
         mine = self.spec_for(seq)
@@ -217,11 +217,15 @@ class AgreementPaths:
         fresh = err is not None or (mine is not None and bool(mine.words()[0] & ASYNC))
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
+            # (a peer that refused the call publishes no description: its refusal is the answer)
             rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
-                             lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None,
-                             timeout=self._patience())
+                             lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None
+                             or ring_word(rows[peer], seq)[1] == "refused", timeout=self._patience())
             sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
-            other = PeerSpec(sw).describe(mine) if sw is not None else "another call (not described)"
+            refused = sw is None and rows[peer] is not None and ring_word(rows[peer], seq)[1] == "refused"
+            other = PeerSpec(sw).describe(mine) if sw is not None else \
+                f"refused the call ({self.rel.progress.reason_of(wr) or 'its reason not published'})" if refused \
+                else "another call (not described)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
             if sw is not None and mine is not None:
