@@ -115,7 +115,7 @@ def test_two_host_job(tmp_path, cluster):
     hostfile = cluster
     script = tmp_path / "two_host.py"
     script.write_text(RANK_SCRIPT)
-    env = clean_mpi_env({"MPICOMM_TWOHOST_AUTO": "auto-7"})
+    env = clean_mpi_env({"MPICOMM_TWOHOST_AUTO": "auto-7", "MPICOMM_TRACE_DIR": str(tmp_path)})
     logs = tmp_path / "logs"
     proc = _on_node1(run_cli("--hostfile", hostfile, "-n", "4", "--timeout", "240",
                              "-x", "TWOHOST_X=given", "--log-dir", str(logs), str(script)),
@@ -235,7 +235,7 @@ def test_refusals_do_not_end_a_two_host_job(tmp_path, cluster):
     script = tmp_path / "caught.py"
     script.write_text(CAUGHT)
     proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "120", str(script)),
-                     clean_mpi_env(), timeout=300)
+                     clean_mpi_env({"MPICOMM_TRACE_DIR": str(tmp_path)}), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for r in range(4):
@@ -300,7 +300,8 @@ def test_calls_that_differ_between_hosts_raise_on_every_rank_and_the_group_goes_
     # history: comparisons across hosts 8 s apart (0.25 s by default), through mpicomm-run to every
     # rank of both hosts: call 2 has left the 256-call rings by then, as in a loop faster than the
     # comparisons (these namespaces take about 12 ms a call, 31 ms would still do)
-    env = clean_mpi_env({"MPICOMM_TIMING": "xhost_every=8"} if found_by == "history" else {})
+    env = clean_mpi_env({"MPICOMM_TRACE_DIR": str(tmp_path),   # (a failed job's flight records there)
+                         **({"MPICOMM_TIMING": "xhost_every=8"} if found_by == "history" else {})})
     job_timeout = 240
     proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", str(job_timeout), str(script), found_by),
                      env, timeout=job_timeout + 60)
