@@ -2,8 +2,8 @@
 
 Each field is a number of seconds that some part of mpicomm waits for (its comment says
 which); none of them decides how a disagreement ends: the steps of that protocol wait for
-each other's words, bounded only by the timeout (mpicomm._dispatch_checks). The timeout itself (``init(timeout=...)``, MPICOMM_TIMEOUT) is not one of them. The
-modules read ``TIMING.field`` where they wait, never a copy taken at import, so a change to
+each other's words, bounded only by the timeout (mpicomm._dispatch_checks). The timeout
+itself (``init(timeout=...)``, MPICOMM_TIMEOUT) is not one of them. The modules read ``TIMING.field`` where they wait, never a copy taken at import, so a change to
 the object takes effect at the next wait: tests set fields on it (``monkeypatch.setattr``),
 and :func:`mpicomm.init` sets those that MPICOMM_TIMING names, for example
 ``MPICOMM_TIMING="refusal_wait=6,leave_wait=20"`` (docs/RELIABILITY.md, "Timing values").
