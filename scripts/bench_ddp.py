@@ -239,22 +239,55 @@ def optimizer(params, args):
 
 
 def step_fn(case, model, opt, device, batches, amp=None):
+    """One training step; ``step(mark)`` calls ``mark(i)`` at its phase boundaries (0 before
+    zero_grad, 1 after the loss, 2 after backward, 3 after the optimizer step)."""
     amp = device.type == "cuda" if amp is None else amp
     it = [0]
     # overlap_step: backward has applied the update (opt.step() would raise)
     stepped = getattr(model, "overlap_step", False) is True
 
-    def step():
+    def step(mark=None):
         x, y = batches[it[0] % len(batches)]
         it[0] += 1
+        mark and mark(0)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = model(x)
-        case.loss(out, y).backward()
+        loss = case.loss(out, y)
+        mark and mark(1)
+        loss.backward()
+        mark and mark(2)
         if not stepped:
             opt.step()
+        mark and mark(3)
 
     return step
+
+
+PHASES = ("forward", "backward", "step")
+
+
+def phases(steps, device, args, comm):
+    """--phases: each mode's median time (ms, the slowest rank's) of zero_grad + forward + loss,
+    of backward (with the wrapper's wait for the reductions), and of the optimizer step, from CUDA
+    events on the current stream (the GPU's timeline, where the host runs ahead), or the host's
+    clock after a synchronisation on the CPU."""
+    out = {}
+    for m, step in steps.items():
+        rows = []
+        for _ in range(args.phases):
+            if device.type == "cuda":
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                step(lambda i: ev[i].record())
+                sync(device)
+                t = [ev[i].elapsed_time(ev[i + 1]) for i in range(3)]
+            else:
+                stamps = [0.0] * 4
+                step(lambda i: stamps.__setitem__(i, time.perf_counter()))
+                t = [(stamps[i + 1] - stamps[i]) * 1e3 for i in range(3)]
+            rows.append([max(v) for v in zip(*comm.allgather(t))])   # the slowest rank's
+        out[m] = {ph: sorted(r[i] for r in rows)[len(rows) // 2] for i, ph in enumerate(PHASES)}
+    return out
 
 
 def sync(device):
@@ -353,8 +386,9 @@ def time_modes(case, device, args, batches, modes, comm):
             sync(device)
             dt = (time.perf_counter() - t0) / args.steps
             per[m].append(comm.allreduce(dt, op=MAX))  # the slowest rank's time is the step's
+    ph = phases(steps, device, args, comm) if args.phases else None
     same = {m: same_on_every_rank(built[m][0], comm) for m in modes if m != "none"}
-    return {m: per[m] for m in modes}, built[modes[0]][2], same
+    return {m: per[m] for m in modes}, built[modes[0]][2], same, ph
 
 
 # ---------------------------------------------------------------- main
@@ -382,6 +416,8 @@ def main(argv=None):
     p.add_argument("--overlap-step", action="store_true", help="also time mpicomm_step: the optimizer applied "
                    "bucket by bucket as each reduction lands (overlap_step=True), and check it against mpicomm's "
                    "unfused step")
+    p.add_argument("--phases", type=int, default=0, metavar="K", help="after timing, K more steps per mode "
+                   "timed phase by phase (forward, backward, optimizer step): the median of each (0: none)")
     p.add_argument("--tiny", action="store_true", help="tiny GPT-2 and ResNet-50 inputs (a CPU smoke test)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
@@ -433,14 +469,14 @@ def main(argv=None):
             failed |= not ok
         else:
             worst, floor, moved, ok = None, None, None, None
-        per, desc, same = time_modes(case, device, args, batches, modes, comm)
+        per, desc, same, ph = time_modes(case, device, args, batches, modes, comm)
         failed |= not all(same.values())
         med = {m: sorted(v)[len(v) // 2] for m, v in per.items()}
         r = {"model": desc, "batch_per_rank": case.batch, "ms_per_step": {m: med[m] * 1e3 for m in modes},
              "rounds_ms": {m: [t * 1e3 for t in v] for m, v in per.items()}, "check_steps": args.check_steps,
              "rel_param_diff_vs_ddp": worst, "rel_param_diff_ddp_vs_ddp": floor, "rel_param_change": moved,
              "rel_param_diff_step_vs_unfused": step_diff, "rel_param_diff_unfused_repeat": repeat_diff,
-             "check_ok": ok, "same_params_on_every_rank": same}
+             "check_ok": ok, "same_params_on_every_rank": same, "phases_ms": ph}
         if "none" in modes:
             for m in COMM_MODES:
                 if m in modes:
@@ -486,6 +522,9 @@ def main(argv=None):
                   + f" | {verdict} |")
         for nm, r in results["models"].items():
             print(f"# {nm}: {r['model']}, batch {r['batch_per_rank']} per rank")
+            for m, t in (r["phases_ms"] or {}).items():
+                print(f"# {nm} phases, {LABEL.get(m, 'no communication')}: "
+                      + ", ".join(f"{ph} {t[ph]:.2f}" for ph in PHASES) + f" ms ({args.phases} steps, median)")
             if "mpicomm_dense" in r["ms_per_step"]:
                 dr = r.get("dense_exposed_ratio")
                 print(f"# {nm}: mpicomm with embedding_grads='all_reduce' {r['ms_per_step']['mpicomm_dense']:.2f} ms"
