@@ -90,7 +90,8 @@ def test_bench_ddp_other_optimizers(tmp_path, opt):
     equals the unfused one's bit for bit, and the table and results name it."""
     out = tmp_path / "ddp.json"
     p = _run([os.path.join("scripts", "bench_ddp.py"), "--model", "small", "--tiny", "--steps", "2", "--warmup", "1",
-              "--rounds", "1", "--check-steps", "3", "--overlap-step", "--optimizer", opt, "--json", str(out)])
+              "--rounds", "1", "--check-steps", "3", "--overlap-step", "--optimizer", opt, "--phases", "3",
+              "--json", str(out)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["optimizer"] == opt and f"optimizer {opt}," in p.stdout
@@ -98,6 +99,17 @@ def test_bench_ddp_other_optimizers(tmp_path, opt):
     assert r["check_ok"] is True and r["rel_param_change"] > 0 and r["rel_param_diff_vs_ddp"] <= 1e-4
     assert r["rel_param_diff_step_vs_unfused"] == 0.0
     assert r["same_params_on_every_rank"] == {"ddp": True, "mpicomm": True, "mpicomm_step": True}
+    # --phases: forward, backward and step of every mode; the overlapped step has no step left
+    # after backward, the others do
+    ph = r["phases_ms"]
+    assert set(ph) == {"none", "ddp", "mpicomm", "mpicomm_step"}
+    assert all(t["forward"] > 0 and t["backward"] > 0 for t in ph.values()), ph
+    assert all(ph[m]["step"] > ph["mpicomm_step"]["step"] for m in ("none", "ddp", "mpicomm")), ph
+    for m, t in ph.items():
+        label = {"none": "no communication", "ddp": "torch DDP", "mpicomm": "mpicomm",
+                 "mpicomm_step": "mpicomm overlapped step"}[m]
+        assert f"# small phases, {label}: forward {t['forward']:.2f}, backward {t['backward']:.2f}, " \
+               f"step {t['step']:.2f} ms (3 steps, median)" in p.stdout
 
 
 def test_bench_ddp_rejects_unknown_names():
