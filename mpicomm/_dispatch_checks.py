@@ -144,19 +144,19 @@ class AgreementPaths:
         """World rank ``who``'s report and its decision on call ``k``: (text or None, True /
         False / None where it did not come within the patience: _fresh's rule then). Waits
         for the decision word, which ``who`` writes after its report's text."""
-        from ._reliability.agreement import decision_in, decision_index
+        from ._reliability.agreement import decision_of
 
         g, p = self.group, self.rel.progress
         fresh = None
         if self.slots is not None and who in g.ranks:
-            at = self.slots[g.ranks.index(who)] + decision_index(0)
+            slot = self.slots[g.ranks.index(who)]
             deadline = time.monotonic() + self._patience()
             while True:
-                words = p.read_words(who, at, SPEC_SLOTS)
-                fresh = decision_in(words, k) if words is not None else None
-                if fresh is not None or words is None or time.monotonic() > deadline:
+                fresh = decision_of(p, who, slot, k)
+                if fresh is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.002)
+            fresh = None if fresh is ... else fresh
         return p.reason_of(who), fresh
 
     def _answer(self, k, upto=None):

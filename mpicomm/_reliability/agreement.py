@@ -276,6 +276,14 @@ def decision_in(words, k):
     return bool(w & 1) if w >> 2 == k and w & 2 else None
 
 
+def decision_of(progress, who, slot, k):
+    """World rank ``who``'s decision on call ``k``, read from its row at ``slot`` (the
+    group's row offset): True, False, None (not decided yet), or ``...`` where the row cannot
+    be read (the rank is gone)."""
+    words = progress.read_words(who, slot + decision_index(0), SPEC_SLOTS)
+    return ... if words is None else decision_in(words, k)
+
+
 _PUBLISH = threading.Lock()   # the main thread and the watchdog both publish descriptions
 
 

@@ -218,8 +218,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         if who not in g.ranks:
             return False
         k, _ = agr.poison_fields(pw)
-        words = self.progress.read_words(who, disp.slots[g.ranks.index(who)] + agr.decision_index(0), agr.SPEC_SLOTS)
-        return words is not None and bool(agr.decision_in(words, k))
+        return agr.decision_of(self.progress, who, disp.slots[g.ranks.index(who)], k) is True
 
     def _disagreement(self, g, b, seq, waited):
         """Once per waiting call: compare every member's signature of call ``seq``; where they
