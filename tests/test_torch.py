@@ -202,9 +202,10 @@ def check_unused(device):
             if p.grad is not None:
                 sums[k] += p.grad
     for k, p in m.named_parameters():
+        if n == 1 and k.startswith("spare."):   # no rank used it: .grad stays None, as in DDP
+            assert p.grad is None, k
+            continue
         torch.testing.assert_close(p.grad.cpu(), sums[k] / n, rtol=1e-9, atol=1e-12, msg=k)
-    if n == 1:
-        assert torch.count_nonzero(m.spare.weight.grad) == 0
     # the default: the step completes on every rank, then each raises naming the parameters
     m2 = Net(seed=8, unused=True).to(device)
     model2 = mt.DistributedDataParallel(m2)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .. import all_gather_object, broadcast, broadcast_object
+from .._objects import all_gather_small
 from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, invalid
 from ..training.families import TORCH
@@ -57,6 +58,11 @@ def _same_model_everywhere(module, group):
                           f"is {diff[1][2:4] if diff[1] else 'missing'} on rank {r}",
                           f"the same model on every rank (rank 0 has "
                           f"{diff[0][0] + ' ' + diff[0][1] + ' ' + str(diff[0][2:4]) if diff[0] else 'nothing more'})")
+
+
+def _other_tensor(g, v):
+    """True when gradient ``g`` is not the bucket view ``v`` (nor shares its storage)."""
+    return g is not v and (g.is_sparse or g.data_ptr() != v.data_ptr())
 
 
 class _BufferSync:
@@ -107,7 +113,8 @@ class DistributedDataParallel(nn.Module):
         (divided by the group size before the sum, so the sum cannot overflow).
     find_unused_parameters: what happens to a trainable parameter that gets no gradient
         in a step: True reduces it as zeros (its ``.grad`` is then the other ranks'
-        average); False (default) finishes the step the same way, so no rank waits, and
+        average; where no rank gave it a gradient, its ``.grad`` stays None, as DDP leaves
+        it, so that the optimizer skips it); False (default) finishes the step the same way, so no rank waits, and
         then raises InvalidArgumentError naming the parameters. The parameters are those
         trainable at construction: freeze layers (requires_grad=False) before wrapping.
     broadcast_buffers: broadcast rank 0's buffers before every forward that will be
@@ -201,11 +208,13 @@ class DistributedDataParallel(nn.Module):
             self._overlap.plan(self.reducer.buckets)
             self.reducer.set_bucket_hook(self._overlap)
         self._views = self.reducer.grad_views()
+        # a gradient already there moves into its bucket; a parameter without one keeps
+        # .grad None until backward gives it one (as DDP: an unused parameter's stays None)
         with torch.no_grad():
             for p, v in zip(self._params, self._views):
                 if p.grad is not None:
                     v.copy_(p.grad)
-                p.grad = v
+                    p.grad = v
         self._buffer_sync = _BufferSync(self._bufs, group) if self._bufs else None
         self._size = get_group(group).size
         self._sync_enabled = True     # False inside no_sync()
@@ -281,12 +290,13 @@ class DistributedDataParallel(nn.Module):
             self._order.append(i)
         v = self._views[i]
         g = p.grad
-        if g is not v and g.data_ptr() != v.data_ptr():
+        if _other_tensor(g, v):
             # a new tensor (after zero_grad(set_to_none=True)): a big one is reduced from
-            # where it is into the bucket, a small one copied there first
+            # where it is into the bucket, a small one copied there first (a sparse one, from
+            # nn.Embedding(sparse=True), as its dense values)
             p.grad = v
             with torch.no_grad():
-                self.reducer.ready_from(i, g)
+                self.reducer.ready_from(i, g.to_dense() if g.is_sparse else g)
             return
         self.reducer.mark_ready(i)
 
@@ -294,15 +304,18 @@ class DistributedDataParallel(nn.Module):
         self._in_backward = False
         red = self.reducer
         missing = red.pending()
+        # parameters no rank gave a gradient keep .grad None, as DDP leaves them (an optimizer
+        # then skips them); a parameter some rank used gets the reduced gradient everywhere
+        unused = self._unused_everywhere(missing) if self.find_unused_parameters else ()
         with torch.no_grad():
             for i in missing:  # no gradient this step: reduced as zeros, on every rank alike
                 p, v = self._params[i], self._views[i]
                 g = p.grad
                 if g is None:
                     v.zero_()
-                elif g is not v and g.data_ptr() != v.data_ptr():
-                    v.copy_(g)
-                p.grad = v
+                elif _other_tensor(g, v):
+                    v.copy_(g.to_dense() if g.is_sparse else g)
+                p.grad = None if g is None and i in unused else v
                 red.mark_ready(i)
         red.wait()   # (on GPUs also for the overlapped updates: queued on the reductions' streams)
         gathered = self._emb.finish(self._views, 1.0 / self._size if red.mean else 1.0)
@@ -314,6 +327,17 @@ class DistributedDataParallel(nn.Module):
             self._replan(missing)
         if missing and not self.find_unused_parameters:
             raise InvalidArgumentError(self._unused_message(missing))
+
+    def _unused_everywhere(self, missing):
+        """The parameters that got no gradient on any rank this step (a host exchange of
+        each rank's list, every synchronised backward with find_unused_parameters, as DDP's
+        bitmap all_reduce); gathered embedding rows count as a gradient."""
+        gathered = {c.index for c in self._emb.launched}
+        mine = [i for i in missing if i not in gathered]
+        if self._size == 1:
+            return set(mine)
+        lists = all_gather_small(mine, group=self.group)
+        return set(lists[0]).intersection(*lists[1:])
 
     def _unused_message(self, missing):
         """The unused-parameter error, with advice that fits what the user did: parameters
@@ -355,7 +379,7 @@ class DistributedDataParallel(nn.Module):
             for p, v in zip(self._params, views):
                 if p.grad is not None:
                     v.copy_(p.grad)
-                p.grad = v
+                    p.grad = v
         self._views = views
 
     def __repr__(self):

@@ -48,6 +48,8 @@ class OverlappedStep:
         for gi, g in enumerate(optimizer.param_groups):
             for p in g["params"]:
                 i = index.get(id(p))
+                if i is None and not p.requires_grad:
+                    continue   # frozen: no gradient, so torch's step() would skip it too
                 if i is None:
                     raise invalid("optimizer", f"an optimizer with a parameter of shape {tuple(p.shape)} (group {gi}) "
                                   "that the wrapper does not reduce", "an optimizer over the wrapped model's "

@@ -1,0 +1,177 @@
+"""mpicomm.torch.DistributedDataParallel on the kinds of models users bring from torch DDP:
+branches that no rank or only some ranks use (find_unused_parameters), nn.Embedding with
+sparse=True, a frozen layer in the optimizer of the overlapped step. Each is trained a few
+steps and compared with one process computing the same loss (the mean of the ranks' losses)
+on every rank's data: the parameters must be the same, and a parameter no rank used keeps
+.grad None, as autograd and DDP leave it. CPU tensors in float64 over MPI."""
+import pytest
+
+from launch_support import TORCH, require_module
+
+torch = require_module("torch", TORCH)
+
+import mpicomm  # noqa: E402
+import mpicomm.torch as mt  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+torch.set_num_threads(1)  # the ranks share two cores
+
+D, B, STEPS = 6, 4, 4
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tensors_need_mpi(request):
+    if "comm" in request.fixturenames and request.getfixturevalue("comm").get_backend() != "mpi":
+        pytest.skip("CPU tensors need the MPI backend: run with MPICOMM_BACKEND=mpi")
+
+
+class Branches(torch.nn.Module):
+    """A trunk every rank uses; ``sometimes``, used in even steps only (on every rank);
+    ``rank0``, used by rank 0 only; ``never``, used by no rank."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.trunk = torch.nn.Linear(D, D).double()
+        self.sometimes = torch.nn.Linear(D, D).double()
+        self.rank0 = torch.nn.Linear(D, D).double()
+        self.never = torch.nn.Linear(D, D).double()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+    def forward(self, x, step, rank):
+        h = torch.tanh(self.trunk(x))
+        if step % 2 == 0:
+            h = h + torch.tanh(self.sometimes(h))
+        if rank == 0:
+            h = h * torch.sigmoid(self.rank0(h))
+        return h
+
+
+def data(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(B, D, generator=g, dtype=torch.float64), torch.randn(B, D, generator=g, dtype=torch.float64)
+
+
+def make_opt(which, params):
+    if which == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap_step"])
+@pytest.mark.parametrize("which", ["sgd", "adamw"])
+def test_branches_no_rank_or_some_ranks_use(comm, which, overlap):
+    """find_unused_parameters=True: a branch used by some ranks gets their gradient averaged
+    over every rank (zeros from the others); a branch no rank used in a step keeps .grad None,
+    so momentum and weight decay leave it alone there, as with DDP and in one process."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    m = Branches(seed=10 + r)   # different on every rank: the wrapper takes rank 0's
+    ref = Branches(seed=10)
+    never0 = ref.never.weight.detach().clone()
+    if overlap:
+        opt = make_opt(which, m.parameters())
+        model = mt.DistributedDataParallel(m, find_unused_parameters=True, optimizer=opt, overlap_step=True)
+    else:
+        model = mt.DistributedDataParallel(m, find_unused_parameters=True)
+        opt = make_opt(which, model.parameters())
+    ref_opt = make_opt(which, ref.parameters())
+    for k in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        x, y = data(k, r)
+        torch.nn.functional.mse_loss(model(x, k, r), y).backward()
+        sum(torch.nn.functional.mse_loss(ref(*data(k, q)[:1], k, q), data(k, q)[1]) for q in range(n)).div(n) \
+            .backward()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            if q.grad is None:   # no rank used it in this step
+                assert p.grad is None, f"step {k}: {nm} has a gradient where no rank used it"
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+        if not overlap:
+            opt.step()
+        ref_opt.step()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+    assert torch.equal(m.never.weight, never0) and m.never.weight.grad is None
+    assert m.rank0.weight.grad is not None and float(m.rank0.weight.grad.abs().max()) > 0
+    moved = float((m.sometimes.weight.detach() - Branches(seed=10).sometimes.weight.detach()).abs().max())
+    assert moved > 1e-3   # (the comparison above can fail: the branch trains)
+
+
+class SparseLM(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, D, sparse=True).double()
+        self.head = torch.nn.Linear(D, 3).double()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("zero_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_sparse_embedding(comm, zero_to_none):
+    """nn.Embedding(sparse=True): its sparse gradient is reduced as its dense values (every
+    step, also after zero_grad(set_to_none=True), where autograd hands a new sparse tensor);
+    the parameters follow one process's SGD with the sparse gradients."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    m = SparseLM(seed=20 + r)
+    ref = SparseLM(seed=20)
+    model = mt.DistributedDataParallel(m)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def batch(k, q):
+        g = torch.Generator().manual_seed(77 * k + q)
+        return torch.randint(0, 50, (B, 5), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+    for k in range(STEPS):
+        opt.zero_grad(set_to_none=zero_to_none)
+        ref_opt.zero_grad(set_to_none=True)
+        ids, y = batch(k, r)
+        torch.nn.functional.cross_entropy(model(ids), y).backward()
+        sum(torch.nn.functional.cross_entropy(ref(batch(k, q)[0]), batch(k, q)[1]) for q in range(n)).div(n) \
+            .backward()
+        assert ref.emb.weight.grad.is_sparse
+        torch.testing.assert_close(m.emb.weight.grad, ref.emb.weight.grad.to_dense(), rtol=1e-10, atol=1e-12,
+                                   msg=f"step {k}")
+        opt.step()
+        ref_opt.step()
+    for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=nm)
+    assert float((m.emb.weight.detach() - SparseLM(seed=20).emb.weight.detach()).abs().max()) > 1e-3
+
+
+def test_overlapped_step_with_a_frozen_layer_in_the_optimizer(comm):
+    """overlap_step=True with the usual SGD(model.parameters()) where a layer is frozen: the
+    frozen parameters get no gradient and are skipped, as optimizer.step() skips them; the
+    others follow one process."""
+    n, r = comm.get_group_size(), comm.get_rank()
+
+    def build(seed):
+        b = Branches(seed)
+        b.trunk.requires_grad_(False)
+        return b
+
+    m, ref = build(30 + r), build(30)
+    frozen0 = ref.trunk.weight.detach().clone()
+    opt = make_opt("sgd", m.parameters())   # the frozen trunk included
+    model = mt.DistributedDataParallel(m, find_unused_parameters=True, optimizer=opt, overlap_step=True)
+    ref_opt = make_opt("sgd", ref.parameters())
+    for k in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = data(k, r)   # (step 0's branches every step: a trainable one on every rank)
+        torch.nn.functional.mse_loss(model(x, 0, r), y).backward()
+        sum(torch.nn.functional.mse_loss(ref(*data(k, q)[:1], 0, q), data(k, q)[1]) for q in range(n)).div(n) \
+            .backward()
+        ref_opt.step()
+    for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=nm)
+    assert torch.equal(m.trunk.weight, frozen0) and m.trunk.weight.grad is None
