@@ -175,3 +175,88 @@ def test_overlapped_step_with_a_frozen_layer_in_the_optimizer(comm):
     for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=nm)
     assert torch.equal(m.trunk.weight, frozen0) and m.trunk.weight.grad is None
+
+
+def _train(model, opt, steps, r, start=0, stepped=True):
+    for k in range(start, start + steps):
+        opt.zero_grad()
+        x, y = data(k, r)
+        torch.nn.functional.mse_loss(model(x, 0, r), y).backward()
+        if stepped:
+            opt.step()
+
+
+def _same(a, b):
+    for (nm, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=nm)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_the_wrapper_trains_like_it(comm, how):
+    """copy.deepcopy(wrapper) and torch.save/torch.load of the whole wrapper (on every rank):
+    the copy reduces its own gradients (its hooks and buckets made again at its first
+    training forward), so trained on the same data it stays equal to the original, and the
+    same on every rank."""
+    import copy
+    import io
+
+    r = comm.get_rank()
+    m = Branches(seed=40 + r)
+    model = mt.DistributedDataParallel(m, find_unused_parameters=True)
+    opt = make_opt("sgd", model.parameters())
+    _train(model, opt, 1, r)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert isinstance(twin, mt.DistributedDataParallel) and "a copy" in repr(twin)
+    twin_opt = make_opt("sgd", twin.parameters())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))   # (loaded as is, its tensors would be shared)
+    _train(model, opt, 2, r, start=1)
+    _train(twin, twin_opt, 2, r, start=1)
+    _same(twin.module, m)
+    assert twin.parameter_names == model.parameter_names and twin.buckets == model.buckets
+    # the same on every rank: rank 0's copy compared with every rank's
+    mine = torch.cat([p.detach().flatten() for p in twin.parameters()])
+    for other in mpicomm.all_gather_object(mine):
+        assert torch.equal(other, mine)
+
+
+def test_a_copy_with_the_overlapped_step(comm):
+    """A copy of a wrapper with overlap_step=True carries a copy of the optimizer (its
+    parameters the copy's): backward updates the copy's parameters only, as the original's."""
+    import copy
+
+    r = comm.get_rank()
+    m = Branches(seed=50 + r)
+    opt = make_opt("adamw", m.parameters())
+    model = mt.DistributedDataParallel(m, find_unused_parameters=True, optimizer=opt, overlap_step=True)
+    _train(model, opt, 1, r, stepped=False)
+    twin = copy.deepcopy(model)
+    before = [p.detach().clone() for p in m.parameters()]
+    _train(twin, twin._ctor["optimizer"], 2, r, start=1, stepped=False)
+    _train(model, opt, 2, r, start=1, stepped=False)
+    _same(twin.module, m)
+    assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), before))
+
+
+def test_one_rank_evaluates_a_copy_alone(comm):
+    """A copy made and run on one rank only, with gradients off (evaluation, a kept best
+    model): its module's forward, no collective, so the other ranks are not waited for."""
+    import copy
+
+    r = comm.get_rank()
+    m = Branches(seed=60 + r)
+    model = mt.DistributedDataParallel(m, find_unused_parameters=True)
+    x, _ = data(0, r)
+    if r == 0:
+        twin = copy.deepcopy(model)
+        twin.eval()
+        with torch.no_grad():
+            got = twin(x, 0, 0)
+        torch.testing.assert_close(got, m(x, 0, 0).detach(), rtol=0, atol=0)
+        assert twin.training is False and "a copy" in repr(twin)
+    comm.barrier()

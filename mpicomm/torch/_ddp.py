@@ -156,6 +156,12 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None, optimizer=None,
                  overlap_step=False):
         super().__init__()
+        # what a copy (copy.deepcopy, pickle) is rebuilt from (__getstate__)
+        self._ctor = dict(bucket_cap_mb=bucket_cap_mb, gradients_mean=gradients_mean, compression=compression,
+                          find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+                          fusion_config=fusion_config, embedding_grads=embedding_grads, group=group,
+                          optimizer=optimizer, overlap_step=overlap_step)
+        self._lazy = False
         if not isinstance(module, nn.Module):
             raise invalid("module", type(module).__name__, "a torch.nn.Module")
         _flag("gradients_mean", gradients_mean)
@@ -232,8 +238,40 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self._params)]
 
+    # ----------------------------------------------------------- copies
+    def __getstate__(self):
+        """A copy (copy.deepcopy, pickle, torch.save of the whole wrapper) holds the module,
+        the constructor's arguments (the optimizer copied along) and the train/eval mode; its
+        buckets, hooks and communication are made again at its first forward with gradients
+        on (a collective: on every rank alike, as training does). Until then it runs its
+        module's forward alone, so that one rank may evaluate a copy by itself."""
+        return {"module": self.module, "_ctor": self._ctor, "training": self.training}
+
+    def __setstate__(self, state):
+        nn.Module.__init__(self)
+        self.module = state["module"]
+        self._ctor = state["_ctor"]
+        self.training = state["training"]
+        self.overlap_step = self._ctor["overlap_step"]
+        self.find_unused_parameters = self._ctor["find_unused_parameters"]
+        self.broadcast_buffers = self._ctor["broadcast_buffers"]
+        self._sync_enabled = True
+        self._lazy = True
+
+    def _build(self):
+        """A copy's first training forward: made as the original was (its module's
+        parameters and buffers taken from rank 0, the buckets planned)."""
+        sync, training = self._sync_enabled, self.training
+        DistributedDataParallel.__init__(self, self.module, **self._ctor)
+        self._sync_enabled = sync
+        self.train(training)
+
     # ----------------------------------------------------------- forward / no_sync
     def forward(self, *args, **kwargs):
+        if self._lazy:
+            if not torch.is_grad_enabled():
+                return self.module(*args, **kwargs)
+            self._build()
         self._sync_step = self._sync_enabled
         if (self.broadcast_buffers and self._buffer_sync is not None and self._size > 1
                 and self._sync_enabled and torch.is_grad_enabled()):
@@ -258,16 +296,22 @@ class DistributedDataParallel(nn.Module):
     @property
     def buckets(self):
         """The bucket plan: lists of indices into :attr:`parameter_names`, in launch order."""
+        if self._lazy:
+            self._build()
         return self.reducer.buckets
 
     @property
     def parameter_names(self):
         """The names of the trainable parameters, in the order the bucket indices use."""
+        if self._lazy:
+            self._build()
         return list(self._names)
 
     @property
     def buckets_started(self):
         """How many buckets of the current backward have had their all_reduce issued."""
+        if self._lazy:
+            self._build()
         return self.reducer.launched
 
     # ----------------------------------------------------------- backward
@@ -383,5 +427,8 @@ class DistributedDataParallel(nn.Module):
         self._views = views
 
     def __repr__(self):
+        if self._lazy:
+            return ("mpicomm.torch.DistributedDataParallel(a copy, made at its first forward with gradients on)\n"
+                    f"  module: {self.module!r}")
         return (f"mpicomm.torch.DistributedDataParallel({len(self._params)} parameters in "
                 f"{len(self.reducer.buckets)} buckets, group size {self._size})\n  module: {self.module!r}")
