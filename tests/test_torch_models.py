@@ -260,3 +260,48 @@ def test_one_rank_evaluates_a_copy_alone(comm):
         torch.testing.assert_close(got, m(x, 0, 0).detach(), rtol=0, atol=0)
         assert twin.training is False and "a copy" in repr(twin)
     comm.barrier()
+
+
+class Deep(torch.nn.Module):
+    def __init__(self, seed, layers=12):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(D, D).double() for _ in range(layers))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def test_new_gradients_are_copied_into_their_bucket_in_one_launch(comm):
+    """After zero_grad(set_to_none=True) autograd hands every gradient as a tensor of its
+    own; the wrapper copies a bucket's small ones in one multi-tensor copy as the bucket
+    starts (one launch per bucket, where each copy would cost a launch on the training
+    stream), and the gradients are one process's on every rank's data."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, r = comm.get_group_size(), comm.get_rank()
+    m, ref = Deep(seed=70 + r), Deep(seed=70)
+    model = mt.DistributedDataParallel(m, bucket_cap_mb=D * (D + 1) * 8 * 6 / 2 ** 20)   # 4 layers a bucket
+    assert len(model.buckets) == 2
+    for k in range(3):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        x, y = data(k, r)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        sum(torch.nn.functional.mse_loss(ref(data(k, q)[0]), data(k, q)[1]) for q in range(n)).div(n).backward()
+        evs = prof.events()
+        assert [e.name for e in evs].count("aten::_foreach_copy_") == 2, sorted({e.name for e in evs})
+
+        # no copy of its own per gradient (copy_ called by itself; on the CPU the multi-tensor
+        # copy and addmm run copy_ inside them)
+        alone = [e for e in evs if e.name == "aten::copy_" and e.cpu_parent is None]
+        assert not alone, len(alone)
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+            assert p.grad.data_ptr() == model._views[model.parameter_names.index(nm)].data_ptr()

@@ -14,7 +14,7 @@ from .families import CUPY, TORCH, _is_gpu
 class _Bucket:
     __slots__ = ("fam", "indices", "views", "flat", "wire", "prescale", "postscale", "device",
                  "stream_mode", "remaining", "work", "numel", "layout", "outs", "sizes", "op", "direct",
-                 "nsmall", "small_numel", "small", "srcs")
+                 "nsmall", "small_numel", "small", "srcs", "later")
 
 
 # NCCL buckets: gradients this large are reduced where they are, not copied into the bucket
@@ -80,4 +80,5 @@ def _make_bucket(idx, specs, compression, fp32_sync, mean, nccl):
     b.work = None
     b.outs = None
     b.srcs = None
+    b.later = None
     return b

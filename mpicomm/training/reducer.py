@@ -193,6 +193,7 @@ class DistributedGradReducer:
             b.remaining = len(b.indices)
             b.work = None
             b.srcs = None
+            b.later = None
         self._next = 0
         self._given = {}
         self._active = False
@@ -269,6 +270,10 @@ class DistributedGradReducer:
     # ----------------------------------------------------------- reduction
     def _launch(self, b, step):
         fam, n = b.fam, self.size
+        if b.later:   # the copies ready_from put off: one multi-tensor copy for the bucket
+            dsts, srcs = zip(*b.later)
+            b.later = None
+            fam.copy_out(dsts, srcs)
         side = None
         if b.stream_mode and step.overlap:
             side = self._side(b)
@@ -604,17 +609,26 @@ class DistributedGradReducer:
     def ready_from(self, i, g):
         """Gradient ``i`` is final in ``g``, a tensor of its own (mpicomm.torch's DDP after
         ``zero_grad(set_to_none=True)``): a big gradient of a direct step is reduced from
-        ``g`` straight into ``grad_views()[i]``; any other is copied there first."""
+        ``g`` straight into ``grad_views()[i]``; any other is copied there (a PyTorch one
+        together with the bucket's other such gradients, in one multi-tensor copy on the
+        current stream as the bucket launches)."""
         direct = self._step.direct if self._active else self.direct_overlap  # (what the step will be)
         direct = direct and self._acc is None   # (an accumulated sum is added in the bucket)
         b = self._buckets[self._bucket_of[i]]
         j = self._pos[i]
+        v = self._views[i]
         if direct and b.direct and j >= b.nsmall and _contiguous(g):
             if b.srcs is None:
                 b.srcs = {}
-            b.srcs[j] = (g, self._views[i])
+            b.srcs[j] = (g, v)
+        elif self._acc is None and b.fam is TORCH and g.dtype == v.dtype and g.device == v.device:
+            # copied with the bucket's other such gradients as it launches: one multi-tensor
+            # kernel on the current stream instead of one copy per gradient
+            if b.later is None:
+                b.later = []
+            b.later.append((v, g))
         else:
-            self._specs[i][0].copy(self._views[i], g)
+            self._specs[i][0].copy(v, g)
         self.mark_ready(i)
 
     def wait(self):
