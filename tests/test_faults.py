@@ -829,3 +829,35 @@ def test_launcher_stray_byte_after_a_banner_is_dropped():
         assert job_text(banner + stray) == banner.decode()
     assert job_text(banner + "é [rank 0]\n".encode()) == banner.decode() + "é [rank 0]\n"
     assert job_text(b"a\x00b\n") == "a\x00b\n"
+
+
+ROW_REUSE = r"""
+import time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r = mpicomm.get_rank()
+x = np.random.default_rng(r).standard_normal(4)
+want = sum(np.random.default_rng(q).standard_normal(4) for q in range(mpicomm.get_group_size()))
+for name in ("first", "second"):
+    mpicomm.create_group(name, [0, 1])
+    np.testing.assert_allclose(mpicomm.all_reduce(x, group=name), want)
+    if r == 1:
+        time.sleep(1.5)    # rank 0's watchdog sees it wait in the destroy's barrier
+    mpicomm.destroy_group(name)
+    if name == "first":
+        time.sleep(TIMEOUT + 2)
+print(f"rank {r} done", flush=True)
+"""
+
+
+def test_a_destroyed_groups_row_leaves_nothing_to_the_next_group(tmp_path):
+    """A group destroyed while rank 0's watchdog saw it wait (rank 1 came 1.5 s late to the
+    destroy's barrier) frees its progress row, and the next group made takes it. That
+    group's destroy is the same call number and collective: its 1.5 s wait must not be
+    taken for the old one's, which began longer than the timeout ago (it was: a timeout
+    report that counted from the old wait, and the job ended; in the suite, a false
+    disagreement report in test_mismatch after test_agreement's group, at 4 ranks)."""
+    script = tmp_path / "rows.py"
+    script.write_text(f"TIMEOUT = {LONG // 10}\n" + ROW_REUSE)
+    p, took = run_job(mpirun_argv(2, str(script)), clean_mpi_env({"MPICOMM_TIMEOUT": str(LONG // 10)}), 120)
+    assert p.returncode == 0 and "CollectiveTimeoutError" not in p.stderr, p.stderr[-3000:]
+    assert sorted(re.findall(r"^rank (\d) done$", p.stdout, re.M)) == ["0", "1"], p.stdout

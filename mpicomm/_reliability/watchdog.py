@@ -62,6 +62,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self._xread = {}               # row -> (partner, its reads in flight, started)
         self._xtold = {}               # row -> (group, call, report) told to the members
         self._xrate = {}               # row -> (time, sequence number, the same of the round before)
+        self._owner = {}               # row -> the group it is watched for (a row freed by a destroyed
+        #                                group and given to a new one starts with no state of the old)
         self._replays = collections.deque()   # [event, count, when, Captured or None] of mpicomm.replay
         #                                       calls not known done (event None: being launched)
         self.graphs = {}               # graph key -> its mpicomm._replay.Captured (made by mpicomm.capture)
@@ -112,7 +114,9 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         wall = int(time.time() * 1000)
         p = self.progress
         m = p.m
-        for g, b in list(p.rows.items()):  # b: index of the row's ENTERED word
+        rows = list(p.rows.items())
+        self._own_rows(rows, seen, done, events)
+        for g, b in rows:  # b: index of the row's ENTERED word
             e, d = m[b], m[b + 1]
             if done.get(b) != d:  # stamp completion time here, not on the hot path
                 done[b] = d
@@ -172,6 +176,27 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             if self._cross_hosts(now):
                 return
         p.poke()
+
+    def _own_rows(self, rows, seen, done, events):
+        """Forget what was watched on a row whose group is gone or changed: a destroyed
+        group's row is handed to the next group made, whose calls may carry the same words
+        (the same number and collective), which must not inherit the old group's waiting
+        time or findings (a false timeout report)."""
+        owners = {}
+        for g, b in rows:
+            owners.setdefault(b, []).append(g)
+        for b in [b for b, g in self._owner.items() if owners.get(b) != [g]]:
+            del self._owner[b]
+            for d in (seen, done, events, self._xseen, self._xspec, self._xpeer, self._xread, self._xtold,
+                      self._xrate):
+                d.pop(b, None)
+            self._compared = {k for k in self._compared if k[0] != b}
+            self._refused_seen = {k: v for k, v in self._refused_seen.items() if k[0] != b}
+            if self._peers_read is not None and self._peers_read[0][0] == b:
+                self._peers_read = None
+        for b, gs in owners.items():
+            if len(gs) == 1:   # (the shared overflow row has no owner: nothing is published there)
+                self._owner.setdefault(b, gs[0])
 
     # ------------------------------------------------------ the agreement check
     def _answer(self, g, b, e, d):
