@@ -296,8 +296,11 @@ class AgreementPaths:
         try:   # (not for a member that started the call async: a blocking stand-in never
             # matches its nonblocking collective; its request is left, and the group starts afresh)
             if specs and not specs[0].sized and not specs[0].started:
-                self._stand_in(code, specs[0])
-                stood = True
+                try:
+                    self._stand_in(code, specs[0])
+                    stood = True
+                except Exception:   # (the members' own calls differ, e.g. each its own count:
+                    pass            # MPI's error here; the group starts afresh, this rank raises its own)
         finally:
             m[b + AT_DONE] = m[b]
             fresh = bool(entered) and not stood

@@ -861,3 +861,40 @@ def test_a_destroyed_groups_row_leaves_nothing_to_the_next_group(tmp_path):
     p, took = run_job(mpirun_argv(2, str(script)), clean_mpi_env({"MPICOMM_TIMEOUT": str(LONG // 10)}), 120)
     assert p.returncode == 0 and "CollectiveTimeoutError" not in p.stderr, p.stderr[-3000:]
     assert sorted(re.findall(r"^rank (\d) done$", p.stdout, re.M)) == ["0", "1"], p.stdout
+
+
+UNEVEN = r"""
+import numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r = mpicomm.get_rank()
+x = np.ones(SHAPE(r), np.float32)
+try:
+    mpicomm.all_gather(x)
+    print(f"rank {r}: returned", flush=True)
+except Exception as e:
+    print(f"rank {r}: {type(e).__module__}.{type(e).__name__}", flush=True)
+print(f"rank {r}: after {mpicomm.all_reduce(np.ones(1, np.int32))[0]}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shape", ["rows", "trailing"])
+def test_all_gather_of_rank_dependent_shapes_raises_or_ends_the_job_at_once(tmp_path, shape):
+    """Horovod's allgather takes a different first dimension on each rank; mpicomm's needs
+    sizes=. Without it (rows: 3 + rank rows; trailing: 10 x (rank + 1) columns) every rank
+    raises CollectiveMismatchError and goes on, or the job ends long before the timeout: never
+    MPI's own exception on a rank (a refusing rank's stand-in, which MPI truncated, let it
+    through), never a wait for the timeout (Open MPI's handler of the SIGABRT that a corrupted
+    heap raises could hang, so the crashed rank never exited)."""
+    n = 4 if shape == "rows" else 2
+    form = "(3 + r, 2)" if shape == "rows" else "(17, 10 * (r + 1), 17)"
+    script = tmp_path / "uneven.py"
+    script.write_text(f"SHAPE = lambda r: {form}\n" + UNEVEN)
+    p, took = run_job(mpirun_argv(n, str(script)), clean_mpi_env({"MPICOMM_TIMEOUT": str(LONG)}), LONG + 60)
+    assert took < EARLY, (took, p.stderr[-2000:])
+    outcomes = re.findall(r"^rank (\d): (\S+)", p.stdout, re.M)
+    assert all(o in ("mpicomm.errors.CollectiveMismatchError", "after") for _, o in outcomes), outcomes
+    assert "mpi4py" not in p.stdout and "returned" not in p.stdout, p.stdout
+    if p.returncode == 0:   # every rank raised, and the next call worked
+        assert sorted(outcomes) == sorted([(str(r), o) for r in range(n)
+                                           for o in ("mpicomm.errors.CollectiveMismatchError", "after")]), outcomes
+        assert all(f"rank {r}: after {n}" in p.stdout for r in range(n)), p.stdout
