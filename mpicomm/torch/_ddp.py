@@ -65,6 +65,11 @@ def _other_tensor(g, v):
     return g is not v and (g.is_sparse or g.data_ptr() != v.data_ptr())
 
 
+def _dense(g):
+    """A gradient as dense values (nn.Embedding(sparse=True) makes sparse ones)."""
+    return g.to_dense() if g.is_sparse else g
+
+
 class _BufferSync:
     """Rank 0's buffers (batch-norm statistics) to every rank: one broadcast per
     (dtype, device), through flat buffers allocated once."""
@@ -340,7 +345,7 @@ class DistributedDataParallel(nn.Module):
             # nn.Embedding(sparse=True), as its dense values)
             p.grad = v
             with torch.no_grad():
-                self.reducer.ready_from(i, g.to_dense() if g.is_sparse else g)
+                self.reducer.ready_from(i, _dense(g))
             return
         self.reducer.mark_ready(i)
 
@@ -358,7 +363,7 @@ class DistributedDataParallel(nn.Module):
                 if g is None:
                     v.zero_()
                 elif _other_tensor(g, v):
-                    v.copy_(g.to_dense() if g.is_sparse else g)
+                    v.copy_(_dense(g))
                 p.grad = None if g is None and i in unused else v
                 red.mark_ready(i)
         red.wait()   # (on GPUs also for the overlapped updates: queued on the reductions' streams)
