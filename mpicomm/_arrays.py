@@ -15,9 +15,20 @@ from __future__ import annotations
 import numpy as np
 
 from ._dtypes import BFLOAT16, of_numpy
-from .errors import invalid
+from .errors import TypeOf, invalid
 
 _DL_GPU = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def list_hint(x):
+    """What to write instead, where a list or tuple was given as one array (the list forms of
+    torch.distributed and Paddle)."""
+    if not isinstance(x, (list, tuple)):
+        return ""
+    return ("; a list of arrays is not one array: torch's and Paddle's all_gather(tensor_list, tensor) "
+            "is tensor_list = list(mpicomm.all_gather(tensor).reshape(n, *tensor.shape)) (every rank's "
+            "array, concatenated along axis 0), and reduce_scatter(output, input_list) is "
+            "output = mpicomm.reduce_scatter(concatenated input_list)")
 
 
 def is_gpu_array(x):
@@ -96,19 +107,25 @@ def to_host(x, arg="x"):
         try:
             a = np.from_dlpack(x)
         except Exception as e:
-            raise invalid(arg, type(x).__name__, f"a host array (DLPack export failed: {e})") from None
+            raise invalid(arg, TypeOf(x), f"a host array (DLPack export failed: {e})") from None
         if not a.flags.writeable:   # DLPack exports are often read-only views of writable memory:
             try:                    # writable, an in-place result lands in x itself
                 a.flags.writeable = True
             except ValueError:
                 pass
-        return np.ascontiguousarray(a), None
+        return _contiguous(a), None
     try:
         a = np.asarray(memoryview(x))
     except TypeError:
-        raise invalid(arg, type(x).__name__, "a NumPy array, an object with the buffer protocol or "
-                      "DLPack, or a GPU array (CuPy, PyTorch CUDA tensor) on the NCCL backend") from None
-    return np.ascontiguousarray(a), None
+        raise invalid(arg, TypeOf(x), "a NumPy array, an object with the buffer protocol or DLPack, or a GPU "
+                      "array (CuPy, PyTorch CUDA tensor) on the NCCL backend" + list_hint(x)) from None
+    return _contiguous(a), None
+
+
+def _contiguous(a):
+    """``a`` where it is C-contiguous (a 0-d array, a NumPy scalar's, keeps its shape ()),
+    else a C-contiguous copy (np.ascontiguousarray would make a 0-d array 1-d)."""
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def check_out(o, shape, dtype, x=None, arg="out"):
@@ -174,7 +191,7 @@ def host_out(out, shape, dtype, x=None, arg="out"):
         else:
             a = np.asarray(memoryview(out))
     except (TypeError, BufferError, RuntimeError):
-        raise invalid(arg, type(out).__name__, "a writable NumPy array or CPU tensor") from None
+        raise invalid(arg, TypeOf(out), "a writable NumPy array or CPU tensor") from None
     if not a.flags.writeable:  # DLPack exports are read-only views of writable memory
         try:
             a.flags.writeable = True

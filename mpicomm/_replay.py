@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from ._ops import NAMES
 from ._state import CTX, require_init
-from .errors import CommunicationError, invalid
+from .errors import CommunicationError, TypeOf, invalid
 
 
 class _Record:
@@ -150,17 +150,17 @@ def capture(graph: Any = None, stream: Any = None, **torch_graph_kwargs: Any) ->
     """
     require_init("mpicomm.capture()")
     if CTX.backend_name != "nccl":
-        raise invalid("graph", type(graph).__name__, "a capture on the NCCL backend (this job runs the "
+        raise invalid("graph", TypeOf(graph), "a capture on the NCCL backend (this job runs the "
                       f"{CTX.backend_name} backend, whose calls are not captured)")
     cap = Captured()
     if graph is not None:
         if not (hasattr(graph, "replay") and hasattr(graph, "capture_begin")):
-            raise invalid("graph", type(graph).__name__, "a torch.cuda.CUDAGraph, or None for a CuPy capture "
+            raise invalid("graph", TypeOf(graph), "a torch.cuda.CUDAGraph, or None for a CuPy capture "
                           "on stream=")
         import torch
 
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise invalid("stream", type(stream).__name__, "a torch.cuda.Stream for a PyTorch graph, or None")
+            raise invalid("stream", TypeOf(stream), "a torch.cuda.Stream for a PyTorch graph, or None")
         cap.graph = graph
         before = _groups_seq()
         with torch.cuda.graph(graph, stream=stream, **torch_graph_kwargs):
@@ -171,7 +171,7 @@ def capture(graph: Any = None, stream: Any = None, **torch_graph_kwargs: Any) ->
         import cupy
 
         if not isinstance(stream, cupy.cuda.Stream) or stream.ptr == 0:
-            raise invalid("stream", type(stream).__name__ if stream is None or not isinstance(stream, cupy.cuda.Stream)
+            raise invalid("stream", TypeOf(stream) if stream is None or not isinstance(stream, cupy.cuda.Stream)
                           else "the null stream", "a cupy.cuda.Stream other than the null stream, for a CuPy "
                           "capture (or graph=, a torch.cuda.CUDAGraph)")
         before = _groups_seq()
@@ -198,11 +198,11 @@ def replay(graph: Any, stream: Any = None) -> None:
     every rank alike, as ``graph.replay()`` (``graph.launch()``) would be."""
     require_init("mpicomm.replay()")
     if CTX.backend_name != "nccl":
-        raise invalid("graph", type(graph).__name__, "a CUDA graph replayed on the NCCL backend (this job "
+        raise invalid("graph", TypeOf(graph), "a CUDA graph replayed on the NCCL backend (this job "
                       f"runs the {CTX.backend_name} backend, whose calls are not captured)")
     torch_graph = hasattr(graph, "replay") and hasattr(graph, "capture_begin")
     if not torch_graph and not callable(getattr(graph, "launch", None)):
-        raise invalid("graph", type(graph).__name__, "a torch.cuda.CUDAGraph or a CuPy cupy.cuda.Graph "
+        raise invalid("graph", TypeOf(graph), "a torch.cuda.CUDAGraph or a CuPy cupy.cuda.Graph "
                       "(made by Stream.end_capture())")
     rel = CTX.reliability
     if rel.watchdog.fired:   # the NCCL communicators are aborted: a graph still holds them
@@ -214,9 +214,9 @@ def replay(graph: Any, stream: Any = None) -> None:
         import torch
 
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise invalid("stream", type(stream).__name__, "a torch.cuda.Stream for a PyTorch graph, or None")
+            raise invalid("stream", TypeOf(stream), "a torch.cuda.Stream for a PyTorch graph, or None")
     elif stream is not None and not isinstance(stream, cupy.cuda.Stream):
-        raise invalid("stream", type(stream).__name__, "a cupy.cuda.Stream for a CuPy graph, or None")
+        raise invalid("stream", TypeOf(stream), "a cupy.cuda.Stream for a CuPy graph, or None")
     cap = _GRAPHS.get(id(graph))
     if cap is not None and cap.ref is not None and cap.ref() is not graph:
         cap = None

@@ -17,7 +17,8 @@ import numpy as np
 from ._callspec import dtype_id, dtype_of_id
 from ._ops import ALL_TO_ALL, GATHER, NAMES, REDUCE_SCATTER, SCATTER, ReduceOp, Sized
 from ._state import CTX
-from .errors import CollectiveMismatchError, InvalidArgumentError, RefusedElsewhereError, invalid
+from ._arrays import list_hint
+from .errors import CollectiveMismatchError, InvalidArgumentError, RefusedElsewhereError, TypeOf, invalid
 
 
 def raise_(e):
@@ -238,7 +239,7 @@ def _facts(x):
             a = np.asarray(memoryview(x))
             shape, dtype = a.shape, a.dtype
         except TypeError:
-            raise invalid("x", type(x).__name__, "an array (NumPy, CuPy, PyTorch, or the buffer protocol)") from None
+            raise invalid("x", TypeOf(x), "an array (NumPy, CuPy, PyTorch, or the buffer protocol)" + list_hint(x)) from None
     name = _NAMES.get(dtype)
     if name is None:
         name = _NAMES[dtype] = str(dtype).replace("torch.", "")

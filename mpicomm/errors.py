@@ -40,7 +40,29 @@ class RefusedElsewhereError(CollectiveMismatchError, InvalidArgumentError):
     the rank and its reason); this rank did not complete it either."""
 
 
+_LONGEST = 200   # characters of a value's repr shown in a message
+
+
+class TypeOf:
+    """A value shown by its type in a message (``<list>``), where the value itself says less."""
+
+    def __init__(self, x: object) -> None:
+        t = type(x)
+        self.name = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, its middle cut out where it is long (a data set passed as a size)."""
+    r = repr(value)
+    if len(r) <= _LONGEST:
+        return r
+    return f"{r[:_LONGEST // 2]} ... {r[-_LONGEST // 4:]} ({type(value).__name__} of repr length {len(r)})"
+
+
 def invalid(name: str, value: object, allowed: str, rank: int | None = None) -> InvalidArgumentError:
     """Build an :class:`InvalidArgumentError` naming argument, value and what is allowed."""
     where = f" (rank {rank})" if rank is not None else ""
-    return InvalidArgumentError(f"invalid {name}={value!r}{where}: expected {allowed}")
+    return InvalidArgumentError(f"invalid {name}={shown(value)}{where}: expected {allowed}")

@@ -287,6 +287,31 @@ def test_mindspore_ops(comm, request):
     close(mpicomm.AllReduce(ReduceOp.MAX)(x), reduce_np(allx, ReduceOp.MAX), np.float32)
     close(mpicomm.ReduceScatter("sum")(x), reduce_np(allx, ReduceOp.SUM)[2 * me:2 * me + 2], np.float32)
     a, b = data(me, key + "a", (3,), np.int32), data(me, key + "b", (2,), np.float64)
-    ra, rb = mpicomm.Broadcast(0)((a, b))
+    out = mpicomm.Broadcast(0)((a, b))
+    assert isinstance(out, tuple) and len(out) == 2
+    ra, rb = out
     np.testing.assert_array_equal(ra, data(0, key + "a", (3,), np.int32))
     np.testing.assert_array_equal(rb, data(0, key + "b", (2,), np.float64))
+    # MindSpore's Broadcast leaves its inputs as they were, on every rank
+    np.testing.assert_array_equal(a, data(me, key + "a", (3,), np.int32))
+    np.testing.assert_array_equal(b, data(me, key + "b", (2,), np.float64))
+    c = data(me, key + "c", (2, 3), np.float32)
+    rc = mpicomm.Broadcast(n - 1)(c)
+    np.testing.assert_array_equal(rc, data(n - 1, key + "c", (2, 3), np.float32))
+    np.testing.assert_array_equal(c, data(me, key + "c", (2, 3), np.float32))
+
+
+def test_numpy_scalars_keep_shape_0d(comm, request):
+    """A NumPy scalar (np.float32(x)) reduces to a 0-d array, as a 0-d array does; gathered,
+    one element per rank."""
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    for dt in (np.float32, np.float64, np.int64):
+        vals = [data(r, key, (), dt) for r in range(n)]
+        for op in (ReduceOp.SUM, ReduceOp.MAX):
+            got = mpicomm.all_reduce(dt(vals[me][()]), op)
+            assert got.shape == () and got.dtype == dt, (got.shape, got.dtype)
+            close(got, reduce_np(vals, op), dt)
+        g = mpicomm.all_gather(dt(vals[me][()]))
+        assert g.shape == (n,)
+        np.testing.assert_array_equal(g, np.stack(vals))

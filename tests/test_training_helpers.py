@@ -200,7 +200,7 @@ def test_checkpoint_errors_are_raised_on_every_rank(comm, tmp_path):
         mpicomm.load_on_rank0(os.path.join(d, "missing.npz"))
     with pytest.raises(InvalidArgumentError, match=r"save_on_rank0: rank 0 could not write .*nodir"):
         mpicomm.save_on_rank0(_state(0), os.path.join(d, "nodir", "x.npz"))
-    with pytest.raises(InvalidArgumentError, match=r"save_on_rank0: rank 0 could not write .*invalid state='list'"):
+    with pytest.raises(InvalidArgumentError, match=r"save_on_rank0: rank 0 could not write .*invalid state=<list>"):
         mpicomm.save_on_rank0([1, 2], os.path.join(d, "x.npz"))
     with pytest.raises(InvalidArgumentError, match=r"invalid path=3"):
         mpicomm.load_on_rank0(3)

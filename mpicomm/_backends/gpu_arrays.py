@@ -22,7 +22,7 @@ import operator
 from .._arrays import is_gpu_array, is_torch
 from .._dtypes import of_numpy, of_torch
 from .._ops import ALL_GATHER, REDUCE_SCATTER
-from ..errors import invalid
+from ..errors import TypeOf, invalid
 from .base import IN_PLACE, NEW
 
 
@@ -106,7 +106,7 @@ def given_out(bind, out, shape, dtype):
     """(out, its pointer) for a given ``out=``: a C-contiguous GPU array of ``shape`` and
     ``dtype`` on this GPU (``bind``), else InvalidArgumentError naming what differs."""
     if not is_gpu_array(out):
-        raise invalid("out", type(out).__name__, "a GPU array on the NCCL backend (the input is one)")
+        raise invalid("out", TypeOf(out), "a GPU array on the NCCL backend (the input is one)")
     o, p = bind(out, "out")
     if o is not out:
         raise invalid("out", "a non-contiguous array", "a C-contiguous array")

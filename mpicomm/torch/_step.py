@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgumentError, invalid
+from ..errors import InvalidArgumentError, TypeOf, invalid
 
 # the optimizers whose update of a parameter reads only that parameter's gradient and state
 PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "Rprop",
@@ -36,7 +36,7 @@ class OverlappedStep:
 
     def __init__(self, optimizer, params, names):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise invalid("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer over the wrapped "
+            raise invalid("optimizer", TypeOf(optimizer), "a torch.optim.Optimizer over the wrapped "
                           "model's parameters (with overlap_step=True)")
         cls = type(optimizer)
         if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in PER_PARAMETER:

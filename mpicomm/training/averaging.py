@@ -6,7 +6,7 @@ import numpy as np
 from .. import all_reduce
 from .._ops import ReduceOp
 from .._state import get_group
-from ..errors import invalid
+from ..errors import TypeOf, invalid
 
 
 def average(x, group=None):
@@ -23,7 +23,7 @@ def average(x, group=None):
     if isinstance(x, (bool, np.bool_)) or not (
             isinstance(x, (int, float, np.integer, np.floating, np.ndarray))
             or hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
-        raise invalid("x", type(x).__name__, "a number (int, float, NumPy scalar) or an array (NumPy, CuPy, "
+        raise invalid("x", TypeOf(x), "a number (int, float, NumPy scalar) or an array (NumPy, CuPy, "
                       "PyTorch tensor) to average over the ranks")
     n = get_group(group).size
     if isinstance(x, (int, float, np.integer, np.floating)):

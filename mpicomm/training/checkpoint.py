@@ -12,7 +12,7 @@ from .. import broadcast_object
 from .._ops import BROADCAST
 from .._sizes import early
 from .._state import get_group
-from ..errors import InvalidArgumentError, invalid
+from ..errors import InvalidArgumentError, TypeOf, invalid
 
 
 def _path(path):
@@ -24,7 +24,7 @@ def _path(path):
 def _default_save(state, path):
     if path.endswith(".npz"):
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise invalid("state", type(state).__name__, "a dict with str keys for a .npz file (np.savez); "
+            raise invalid("state", TypeOf(state), "a dict with str keys for a .npz file (np.savez); "
                           "other objects: a path not ending in .npz (pickled), or save=torch.save")
         with open(path, "wb") as f:
             np.savez(f, **{k: np.asarray(v) for k, v in state.items()})

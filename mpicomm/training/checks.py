@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, invalid
+from ..errors import InvalidArgumentError, TypeOf, invalid
 from .families import CUPY, TORCH, _family
 
 
@@ -43,9 +43,9 @@ class _GradChecks:
             try:
                 gfam = _family(g, arg)
             except InvalidArgumentError:
-                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]") from None
+                raise invalid(arg, TypeOf(g), f"a {fam.name} array like parameters[{i}]") from None
             if gfam is not fam:
-                raise invalid(arg, type(g).__name__, f"a {fam.name} array like parameters[{i}]")
+                raise invalid(arg, TypeOf(g), f"a {fam.name} array like parameters[{i}]")
         gshape, gdt, gdev, _ = fam.spec(g)
         if gshape != shape:
             raise invalid(f"{arg}.shape", gshape, f"{shape}, the shape of parameters[{i}]")
@@ -95,7 +95,7 @@ class _GradChecks:
     def grads(self, grads, views):
         """Check every gradient of ``grads``, a list or tuple of one per parameter."""
         if not isinstance(grads, (list, tuple)):
-            raise invalid("grads", type(grads).__name__, f"a list or tuple of {len(self.specs)} arrays, "
+            raise invalid("grads", TypeOf(grads), f"a list or tuple of {len(self.specs)} arrays, "
                           "one per parameter, in the parameters' order")
         if len(grads) != len(self.specs):
             raise invalid("grads", f"a {type(grads).__name__} of {len(grads)} arrays",

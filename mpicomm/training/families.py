@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from ..errors import invalid
+from ..errors import TypeOf, invalid
 from .copy_kernel import _multi_copy
 from .streams import _CupyOn
 
@@ -285,7 +285,7 @@ def _family(x, arg):
         return CUPY
     if mod.startswith("torch") and hasattr(x, "data_ptr"):
         return TORCH
-    raise invalid(arg, type(x).__name__, "a NumPy array, a CuPy array or a PyTorch tensor")
+    raise invalid(arg, TypeOf(x), "a NumPy array, a CuPy array or a PyTorch tensor")
 
 
 def _is_gpu(fam, device):
@@ -297,7 +297,7 @@ def _as_list(xs, arg):
         return list(xs.values())
     if isinstance(xs, (list, tuple)):
         return list(xs)
-    raise invalid(arg, type(xs).__name__, "a list or tuple of arrays (or a dict of them)")
+    raise invalid(arg, TypeOf(xs), "a list or tuple of arrays (or a dict of them)")
 
 
 def _key_plan(arrays, arg):

@@ -16,7 +16,7 @@ import numpy as np
 from .. import all_gather_object, all_reduce, batch
 from .._dtypes import FLOAT_NAMES
 from .._state import CTX, env_bool, get_group
-from ..errors import InvalidArgumentError, invalid
+from ..errors import InvalidArgumentError, TypeOf, invalid
 from . import context as _context
 from .context import check_fusion_config, get_auto_parallel_context
 from .checks import _GradChecks
@@ -248,7 +248,7 @@ class DistributedGradReducer:
         requests complete (mark_ready() polls them), every one by the end of wait(). None
         removes the hook. Blocking steps (reduce_, reducer(grads)) never call it."""
         if hook is not None and not callable(hook):
-            raise invalid("hook", type(hook).__name__, "a callable hook(indices, stream), or None")
+            raise invalid("hook", TypeOf(hook), "a callable hook(indices, stream), or None")
         self.bucket_hook = hook
 
     def grad_views(self):
