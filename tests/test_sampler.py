@@ -186,7 +186,7 @@ def test_batch_sampler_shuffles_as_paddle(n, size, bs):
 
 
 @pytest.mark.parametrize("args, kw, match", [
-    ((object(), 4), {}, r"dataset='object'.*len\(\)"),
+    ((object(), 4), {}, r"dataset=<object>.*len\(\)"),
     ((10, 0), {}, r"batch_size=0.*an int >= 1"),
     ((10, 2.0), {}, r"batch_size=2.0"),
     ((10, 2), dict(num_replicas=2, rank=2), r"rank=2.*an int in 0..1"),
@@ -208,3 +208,53 @@ def test_batch_sampler_defaults_from_the_world(comm):
     assert len(mine) == -(-23 // n)
     everyone = comm.all_gather(mine)
     assert set(everyone.tolist()) == set(range(23)) and len(everyone) == -(-23 // n) * n
+
+
+# ---------------------------------------------------------------- torch's and OneFlow's form
+
+class _Sized:   # a data set as torch's and OneFlow's DistributedSampler take it
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("n, s", [(0, 2), (10, 3), (37, 4), (5, 8)])
+def test_a_data_set_in_torchs_order_is_its_size(n, s):
+    """DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last), torch's
+    positional order and keywords: the same indices as the size with MindSpore's keywords."""
+    for r in range(s):
+        for shuffle, seed, drop_last in ((True, 3, False), (False, 0, True)):
+            want = DistributedSampler(n, num_shards=s, shard_id=r, shuffle=shuffle, seed=seed,
+                                      drop_last=drop_last).indices().tolist()
+            data = list(range(100, 100 + n))
+            assert DistributedSampler(data, s, r, shuffle, seed, drop_last).indices().tolist() == want
+            assert DistributedSampler(_Sized(n), num_replicas=s, rank=r, shuffle=shuffle, seed=seed,
+                                      drop_last=drop_last).indices().tolist() == want
+    # torch's striding, unshuffled: rank r takes indices r, r + s, ... of the padded list
+    padded = np.resize(np.arange(n), -(-n // s) * s) if n else np.arange(0)
+    assert DistributedSampler(_Sized(n), num_replicas=s, rank=s - 1, shuffle=False).indices().tolist() \
+        == padded[s - 1::s].tolist()
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((_Sized(10), 2, 2), {}, r"invalid rank=2: expected an int in 0..1 \(num_replicas=2\)"),
+    ((_Sized(10),), dict(num_replicas=0, rank=0), r"invalid num_replicas=0: expected an int >= 1"),
+    ((_Sized(10),), dict(num_shards=2, num_replicas=2, shard_id=0), r"invalid num_replicas=2.*num_shards=2"),
+    ((_Sized(10),), dict(num_shards=2, shard_id=0, rank=1), r"invalid rank=1.*shard_id=0"),
+    ((_Sized(10), 2, 0, True, 0, False, "extra"), {}, r"at most 5, torch's order"),
+    ((_Sized(10), 2, 0, "yes"), {}, r"shuffle='yes'.*True or False"),
+])
+def test_torchs_form_bad_arguments(args, kw, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        DistributedSampler(*args, **kw)
+
+
+def test_a_long_value_is_cut_in_the_message():
+    """A data set given where an int goes names the value without printing all of it."""
+    with pytest.raises(InvalidArgumentError) as e:
+        mpicomm.DistributedBatchSampler(list(range(10)), batch_size=list(range(50000)), num_replicas=2, rank=0)
+    msg = str(e.value)
+    assert len(msg) < 600 and "batch_size=[0, 1, 2" in msg and "49999]" in msg and "list of repr length" in msg
+    assert "expected an int >= 1" in msg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._state import require_init
-from ..errors import invalid
+from ..errors import TypeOf, invalid
 
 _UNSET = object()
 
@@ -49,41 +49,64 @@ class DistributedSampler:
     With ``shuffle=True`` the order is a permutation drawn from ``(seed, epoch)``, the
     same on every rank; call :meth:`set_epoch` before each epoch for a new one.
 
-    dataset_size: the data set's size (``len(dataset)``), the one positional argument.
+    dataset_size: the data set's size (``len(dataset)``), the one positional argument; or
+        the data set itself (anything with ``len()``), as torch's and OneFlow's
+        ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)`` take
+        it, with their positional order after it.
     num_shards, shard_id (keywords only): default to the world's size and this process's
-        rank (needs :func:`mpicomm.init`).
+        rank (needs :func:`mpicomm.init`). ``num_replicas`` and ``rank`` are torch's names
+        for them.
     num_samples: MindSpore's meaning: how many of this shard's indices to draw each epoch
         (the first ``num_samples`` of them; None: all of them).
 
     Raises InvalidArgumentError for values out of range; for positional arguments after
-    ``dataset_size`` (MindSpore's ``DistributedSampler(num_shards, shard_id)`` order would
-    be misread); and for ``num_samples=`` without ``dataset_size`` (the first versions of
-    mpicomm took the data set's size under that name; MindSpore's ``num_samples`` is the
+    an int ``dataset_size`` (MindSpore's ``DistributedSampler(num_shards, shard_id)`` order
+    would be misread); and for ``num_samples=`` without ``dataset_size`` (the first versions
+    of mpicomm took the data set's size under that name; MindSpore's ``num_samples`` is the
     number to draw).
     """
 
     def __init__(self, dataset_size=_UNSET, *args, num_shards=None, shard_id=None, shuffle=True, seed=0,
-                 drop_last=False, num_samples=None):
-        if args:  # MindSpore's DistributedSampler(num_shards, shard_id, ...) would be misread
+                 drop_last=False, num_samples=None, num_replicas=None, rank=None):
+        sized = not isinstance(dataset_size, (int, np.integer)) and hasattr(dataset_size, "__len__")
+        if sized:   # torch's DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)
+            if len(args) > 5:
+                raise invalid("positional arguments after the data set", len(args),
+                              "at most 5, torch's order: num_replicas, rank, shuffle, seed, drop_last")
+            given = {"num_replicas": num_replicas, "rank": rank, "shuffle": shuffle, "seed": seed,
+                     "drop_last": drop_last}
+            for name, v in zip(given, args):
+                given[name] = v
+            num_replicas, rank, shuffle, seed, drop_last = given.values()
+            dataset_size = len(dataset_size)
+        elif args:  # MindSpore's DistributedSampler(num_shards, shard_id, ...) would be misread
             raise invalid("positional arguments after dataset_size", (dataset_size, *args),
                           "DistributedSampler(dataset_size, num_shards=..., shard_id=...) with num_shards "
                           "and shard_id as keywords: dataset_size is the data set's size (MindSpore's "
                           "ds.DistributedSampler(num_shards, shard_id) takes the shards first; write "
                           "DistributedSampler(len(dataset), num_shards=n, shard_id=rank))")
+        for mine, torchs, v, w in (("num_shards", "num_replicas", num_shards, num_replicas),
+                                   ("shard_id", "rank", shard_id, rank)):
+            if v is not None and w is not None:
+                raise invalid(torchs, w, f"None where {mine}={v!r} is given ({torchs} is torch's name for "
+                              f"{mine}: give one of them)")
+        names = ("num_shards" if num_replicas is None else "num_replicas", "shard_id" if rank is None else "rank")
+        num_shards = num_replicas if num_shards is None else num_shards
+        shard_id = rank if shard_id is None else shard_id
         if dataset_size is _UNSET:
             raise invalid("num_samples" if num_samples is not None else "dataset_size",
                           num_samples if num_samples is not None else "missing",
                           "DistributedSampler(len(dataset), ...): the data set's size is the first argument, "
                           "dataset_size; num_samples is MindSpore's: how many samples each shard draws "
                           "(None: all of them)")
-        self.dataset_size = _int("dataset_size", dataset_size, 0, "an int >= 0 (the size of the data set)")
+        self.dataset_size = _int("dataset_size", dataset_size, 0, "an int >= 0 (the size of the data set), or "
+                                 "the data set itself (anything with len())")
         if num_samples is not None:
             num_samples = _int("num_samples", num_samples, 0, "None (every index of the shard) or an int >= 0 "
                                "(MindSpore's: how many samples this shard draws; the data set's size is the "
                                "first argument, dataset_size)")
         self.num_samples = num_samples
-        self.num_shards, self.shard_id = _shards(num_shards, shard_id, ("num_shards", "shard_id"),
-                                                 "DistributedSampler")
+        self.num_shards, self.shard_id = _shards(num_shards, shard_id, names, "DistributedSampler")
         self.shuffle = _flag("shuffle", shuffle)
         self.drop_last = _flag("drop_last", drop_last)
         self.seed = _int("seed", seed, 0, "an int >= 0")
@@ -151,7 +174,7 @@ class DistributedBatchSampler:
             try:
                 size = len(dataset)
             except TypeError:
-                raise invalid("dataset", type(dataset).__name__, "a data set with len() (paddle.io.Dataset, "
+                raise invalid("dataset", TypeOf(dataset), "a data set with len() (paddle.io.Dataset, "
                               "a list, an array) or its size as an int") from None
         self.dataset_size = _int("dataset", size, 0, "a data set of size >= 0 (or an int >= 0)")
         self.batch_size = _int("batch_size", batch_size, 1, "an int >= 1 (samples per batch on each rank)")
