@@ -46,6 +46,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
 
 
+def __dir__() -> list[str]:   # the names loaded on first use too (tab completion, dir(mpicomm))
+    return sorted(set(globals()) | set(_LAZY) | {"ops"})
+
+
 __all__ = [
     "init", "finalize", "is_initialized", "get_backend",
     "get_rank", "get_group_size", "get_local_rank", "get_local_size", "get_local_rank_size",

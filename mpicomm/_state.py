@@ -51,6 +51,7 @@ class Context:
     local_comm: Any              # the MPI communicator of this host's ranks
     local_rank: int
     local_size: int
+    local_world_ranks: tuple     # the world ranks on this host, by local rank
     timeout: float | None
     debug: bool
     check: bool
@@ -59,6 +60,7 @@ class Context:
     reliability: Any             # mpicomm._reliability.Reliability
 
     def __init__(self) -> None:
+        self.finalized = False       # finalize() has run (kept by reset: for the message of a later call)
         self.reset()
 
     def reset(self) -> None:
@@ -71,6 +73,7 @@ class Context:
         self.local_comm = None
         self.local_rank = 0
         self.local_size = 1
+        self.local_world_ranks = (0,)
         self.timeout = DEFAULT_TIMEOUT
         self.debug = False
         self.check = True
@@ -84,17 +87,20 @@ CTX = Context()
 
 def require_init(what="this call"):
     if not CTX.initialized:
+        if CTX.finalized:
+            raise NotInitializedError(f"{what} came after mpicomm.finalize(), which ended mpicomm's "
+                                      "communication: call mpicomm.init() again first to go on")
         raise NotInitializedError(
             f"{what} needs mpicomm.init() first (call mpicomm.init() once at the start of the "
             "script, after launching it with mpirun)")
     return CTX
 
 
-def get_group(group):
+def get_group(group, what="a collective"):
     """The :class:`Group` named ``group`` (None or a world alias: the world)."""
     ctx = CTX
     if not ctx.initialized:
-        require_init("a collective")
+        require_init(what)
     if group is None:
         return ctx.world
     g = ctx.groups.get(group)

@@ -139,6 +139,10 @@ def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: 
     CTX.local_comm = lcomm
     CTX.local_rank = lcomm.Get_rank()
     CTX.local_size = lcomm.Get_size()
+    lg, wg = lcomm.Get_group(), world.Get_group()
+    CTX.local_world_ranks = tuple(MPI.Group.Translate_ranks(lg, list(range(CTX.local_size)), wg))
+    lg.Free()
+    wg.Free()
     CTX.timeout = float(timeout)
     CTX.debug = bool(debug)
     CTX.check = bool(check)
@@ -224,6 +228,7 @@ def finalize() -> None:
     finally:
         guard.done()
     CTX.reset()
+    CTX.finalized = True
 
 
 def is_initialized() -> bool:
@@ -238,27 +243,44 @@ def get_backend() -> str:
 
 def get_rank(group: str | None = None) -> int:
     """This process's rank in ``group`` (default: the world)."""
-    return get_group(group).rank
+    return get_group(group, "get_rank()").rank
 
 
 def get_group_size(group: str | None = None) -> int:
     """The number of ranks in ``group`` (default: the world)."""
-    return get_group(group).size
+    return get_group(group, "get_group_size()").size
 
 
-def get_local_rank() -> int:
-    """This process's rank among the ranks on its host."""
-    return require_init("get_local_rank()").local_rank
+def _here(group: str | None, what: str) -> list[int]:
+    """The group ranks of ``group``'s members on this host, in group rank order."""
+    g = get_group(group, what)
+    if g is CTX.world:
+        return list(CTX.local_world_ranks)
+    here = set(CTX.local_world_ranks)
+    return [i for i, w in enumerate(g.ranks) if w in here]
 
 
-def get_local_size() -> int:
-    """The number of ranks on this host."""
-    return require_init("get_local_size()").local_size
+def get_local_rank(group: str | None = None) -> int:
+    """This process's rank among the ranks of ``group`` (default: the world) on its host,
+    in group rank order (MindSpore's ``get_local_rank(group)``)."""
+    if group is None:
+        return require_init("get_local_rank()").local_rank
+    return _here(group, "get_local_rank()").index(get_group(group).rank)
 
 
-def get_local_rank_size() -> int:
-    """The number of ranks on this host (MindSpore's name for :func:`get_local_size`)."""
-    return require_init("get_local_rank_size()").local_size
+def get_local_size(group: str | None = None) -> int:
+    """The number of ranks of ``group`` (default: the world) on this host."""
+    if group is None:
+        return require_init("get_local_size()").local_size
+    return len(_here(group, "get_local_size()"))
+
+
+def get_local_rank_size(group: str | None = None) -> int:
+    """The number of ranks of ``group`` (default: the world) on this host (MindSpore's name
+    for :func:`get_local_size`)."""
+    if group is None:
+        return require_init("get_local_rank_size()").local_size
+    return len(_here(group, "get_local_rank_size()"))
 
 
 def get_world_rank_from_group_rank(group: str | None, group_rank_id: int) -> int:

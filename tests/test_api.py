@@ -95,6 +95,68 @@ def test_groups_rank_conversion(comm):
 
 
 @mpi
+def test_local_rank_of_a_group(comm):
+    """MindSpore's get_local_rank(group) / get_local_rank_size(group): this rank's place
+    among the group's members on its host, computed here from the host names."""
+    from mpi4py import MPI
+
+    w = MPI.COMM_WORLD
+    n, me = w.Get_size(), w.Get_rank()
+    hosts = w.allgather(MPI.Get_processor_name())
+    ranks = list(range(n))[::-2]   # descending: group rank order is not world rank order
+    mpicomm.create_group("local_desc", ranks)
+    try:
+        if me in ranks:
+            here = [wr for wr in ranks if hosts[wr] == hosts[me]]   # in group rank order
+            assert mpicomm.get_local_rank("local_desc") == here.index(me)
+            assert mpicomm.get_local_rank_size("local_desc") == len(here)
+            assert mpicomm.get_local_size("local_desc") == len(here)
+        else:
+            with pytest.raises(mpicomm.InvalidArgumentError, match="not in"):
+                mpicomm.get_local_rank("local_desc")
+        assert mpicomm.get_local_rank("nccl_world_group") == mpicomm.get_local_rank()
+        assert mpicomm.get_local_rank_size("hccl_world_group") == mpicomm.get_local_rank_size()
+    finally:
+        mpicomm.destroy_group("local_desc")
+    with pytest.raises(mpicomm.InvalidArgumentError, match="local_desc"):
+        mpicomm.get_local_rank("local_desc")
+
+
+def test_calls_before_init_and_after_finalize_name_themselves():
+    """A getter before init() names itself (not "a collective"); any call after finalize()
+    says finalize ended mpicomm and init() goes on; dir(mpicomm) lists the names loaded on
+    first use."""
+    code = """
+import mpicomm, numpy as np
+for f in ("get_rank", "get_group_size", "get_local_rank", "get_local_rank_size"):
+    try:
+        getattr(mpicomm, f)()
+    except mpicomm.NotInitializedError as e:
+        assert f + "() needs mpicomm.init() first" in str(e), e
+    else:
+        raise AssertionError(f)
+mpicomm.init("mpi")
+assert mpicomm.get_rank() == 0
+mpicomm.finalize()
+for call in (lambda: mpicomm.get_rank(), lambda: mpicomm.all_reduce(np.ones(2))):
+    try:
+        call()
+    except mpicomm.NotInitializedError as e:
+        assert "after mpicomm.finalize()" in str(e) and "call mpicomm.init() again" in str(e), e
+    else:
+        raise AssertionError("no error after finalize")
+mpicomm.init("mpi")
+x = np.random.default_rng(7).standard_normal(3)
+np.testing.assert_array_equal(mpicomm.all_reduce(x), x)
+assert {"DistributedSampler", "GlobalComm", "average", "ops", "init"} <= set(dir(mpicomm))
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+@mpi
 def test_work_handle(comm):
     n = mpicomm.get_group_size()
     x = np.arange(10, dtype=np.float64) * (mpicomm.get_rank() + 1)

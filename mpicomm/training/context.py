@@ -169,6 +169,8 @@ def check_fusion_config(fc, arg="fusion_config"):
 
 def _check(key, v):
     if key == "parallel_mode":
+        if isinstance(v, str) and v.lower() in PARALLEL_MODES:   # "DATA_PARALLEL" as "data_parallel"
+            v = v.lower()
         if v not in PARALLEL_MODES:
             why = (f" ({v!r} splits the model across devices in MindSpore; {_DATA_PARALLEL_ONLY}: use "
                    "'data_parallel')" if v in ParallelMode.MODE_LIST else " (mpicomm implements data parallelism only)")
