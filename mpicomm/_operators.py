@@ -62,8 +62,9 @@ class ReduceScatter(_Reducing):
 
 
 class Broadcast(_Op):
-    """``Broadcast(root=0, group=None)(x)``: broadcasts ``x`` in place, or each array of a
-    tuple/list (as MindSpore's Broadcast does), returning what it was given."""
+    """``Broadcast(root=0, group=None)(x)``: root's ``x`` on every rank, as a new array, or
+    each array of a tuple/list (as MindSpore's Broadcast does: a tuple in, a tuple out).
+    As in MindSpore, the input is left as it was (:func:`broadcast` fills ``x`` in place)."""
 
     def __init__(self, root: int = 0, group: str | None = None) -> None:
         self.root = root
@@ -71,8 +72,20 @@ class Broadcast(_Op):
 
     def __call__(self, x: ArrayLike) -> Any:
         if isinstance(x, (tuple, list)):
-            return type(x)(broadcast(a, self.root, group=self.group) for a in x)
-        return broadcast(x, self.root, group=self.group)
+            return type(x)(broadcast(_copy(a), self.root, group=self.group) for a in x)
+        return broadcast(_copy(x), self.root, group=self.group)
+
+
+def _copy(x: Any) -> Any:
+    """A new array with x's values, of x's kind (NumPy, CuPy, PyTorch, other host buffers)."""
+    if hasattr(x, "clone") and hasattr(x, "detach"):   # a torch tensor
+        return x.detach().clone()
+    if hasattr(x, "copy") and hasattr(x, "shape"):      # NumPy, CuPy
+        return x.copy()
+    try:                                                 # host buffers: a NumPy copy
+        return np.array(memoryview(x))
+    except TypeError:
+        return x   # anything else is checked (and refused, or filled) by broadcast itself
 
 
 class AlltoAll(_Op):

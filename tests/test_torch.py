@@ -363,7 +363,7 @@ def test_buffers_from_rank_0(comm):
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(module="net"), r"invalid module='str'.*expected a torch.nn.Module"),
+    (dict(module="net"), r"invalid module=<str>.*expected a torch.nn.Module"),
     (dict(find_unused_parameters="yes"), r"invalid find_unused_parameters='yes'.*expected True or False"),
     (dict(broadcast_buffers=1), r"invalid broadcast_buffers=1.*expected True or False"),
     (dict(gradients_mean=None), r"invalid gradients_mean=None.*expected True or False"),
@@ -376,6 +376,20 @@ def test_bad_arguments_raise_on_every_rank(comm, kw, msg):
     module = kw.pop("module", None) or Net(seed=1)
     with pytest.raises(InvalidArgumentError, match=msg):
         mt.DistributedDataParallel(module, **kw)
+
+
+def test_a_name_of_the_wrapped_model_says_where_it_is(comm):
+    """OneFlow's tutorial reads m.lr on the wrapped model: the AttributeError says .module.lr;
+    the model's parameters and submodules stay reachable as in PyTorch's DDP (m.module.w)."""
+    net = Net(seed=3)
+    net.lr = 0.125
+    m = mt.DistributedDataParallel(net)
+    assert m.module.lr == 0.125 and m.module is net
+    with pytest.raises(AttributeError, match=r"no attribute 'lr'; the wrapped model has it: write \.module\.lr"):
+        m.lr
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing_here'$"):
+        m.nothing_here
+    assert not hasattr(m, "lr") and getattr(m, "lr", None) is None
 
 
 def test_models_that_differ_raise_on_every_rank(comm):

@@ -26,7 +26,7 @@ from torch import nn
 from .. import all_gather_object, broadcast, broadcast_object
 from .._objects import all_gather_small
 from .._state import CTX, get_group
-from ..errors import InvalidArgumentError, invalid
+from ..errors import InvalidArgumentError, TypeOf, invalid
 from ..training.families import TORCH
 from ..training.fused import broadcast_parameters
 from ._device import select_local_device
@@ -168,7 +168,7 @@ class DistributedDataParallel(nn.Module):
                           optimizer=optimizer, overlap_step=overlap_step)
         self._lazy = False
         if not isinstance(module, nn.Module):
-            raise invalid("module", type(module).__name__, "a torch.nn.Module")
+            raise invalid("module", TypeOf(module), "a torch.nn.Module")
         _flag("gradients_mean", gradients_mean)
         check_mode(embedding_grads)
         _flag("overlap_step", overlap_step)
@@ -242,6 +242,19 @@ class DistributedDataParallel(nn.Module):
             queue_end=self._queue_end, gathering=lambda: self._in_forward and self._sync_step), embedding_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self._params)]
+
+    def __getattr__(self, name):
+        """nn.Module's lookup (parameters, buffers, submodules); a name the wrapped model has
+        but the wrapper does not (OneFlow's tutorial's ``m.lr``) says where it is."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and not name.startswith("__") and hasattr(module, name):
+                raise AttributeError(f"'DistributedDataParallel' object has no attribute {name!r}; the wrapped "
+                                     f"model has it: write .module.{name} (the wrapper keeps the model in "
+                                     ".module, as PyTorch's and OneFlow's DDP do)") from None
+            raise
 
     # ----------------------------------------------------------- copies
     def __getstate__(self):
