@@ -183,6 +183,44 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
         assert "CollectiveMismatchError" in out, out[-3000:]
 
 
+RUN_AHEAD = r"""
+import time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+root = n - 1
+for i in range(16):
+    # rank 0 sends int32 where the others send float32 of the same size: the root's gather
+    # completes, and only the comparison of the calls' words can tell. Rank 0, a sender, may
+    # run many calls ahead of the root (its sends do not wait)
+    parts = [np.random.default_rng([i, q]).integers(1, 10, size=8).astype(np.float32) for q in range(n)]
+    try:
+        got = mpicomm.gather(parts[r].astype(np.int32) if r == 0 else parts[r], root=root)
+        if r == root and not np.array_equal(got, np.concatenate(parts)):
+            print(f"rank {r}: call {i} WRONG", flush=True)
+    except mpicomm.MpicommError:
+        pass
+print(f"rank {r}: done", flush=True)
+"""
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_rank_calls_ahead_is_still_compared(tmp_path, n):
+    """A rank whose rooted calls return at once (a sender) runs calls ahead of the root; the
+    root still compares each of its calls with that rank's, so a gather whose data differ in
+    dtype (same bytes: MPI sees nothing) never returns a wrong result (the host ranks' copy of
+    each other's calls held the last 8, and a sender 16 calls ahead had overwritten them)."""
+    script = tmp_path / "ahead.py"
+    script.write_text(RUN_AHEAD)
+    env = clean_mpi_env({"MPICOMM_BACKEND": "mpi", "MPICOMM_TIMEOUT": "10", "MPICOMM_TRACE_DIR": str(tmp_path)})
+    env.pop("MPICOMM_CHECK", None)
+    p, took = run_job(mpirun_argv(n, str(script)), env, 240)
+    out = p.stdout + p.stderr
+    assert "WRONG" not in out, out[-3000:]
+    assert "mpi4py" not in out, out[-3000:]
+    assert p.returncode != 0 or out.count(": done") == n, out[-3000:]
+
+
 LEFT = r"""
 import numpy as np, mpicomm
 mpicomm.init(backend="mpi")

@@ -43,7 +43,11 @@ from .._callspec import REFUSED
 from .progress import (CALLS_N, DECIDED, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC_AT, SPEC_N, SPEC_SLOTS,
                        F, HDR, calls_base, checkpoints)
 
-HOST_N = 8            # calls kept in the host-shared copy of each row's ring
+# calls kept in the host-shared copy of each row's ring: a rank compares its call with a host
+# neighbour's word for the same call, so the copy must hold every call a rank can be ahead of a
+# neighbour by (a sender of reduce/gather, a broadcast root, async calls run ahead of the rank
+# that receives: 16 calls ahead within 20 calls of a loop were seen). 64 KiB a rank: ROWS * 64 words
+HOST_N = 64
 HOST_MASK = HOST_N - 1   # seq & HOST_MASK: call seq's place there (HOST_N is a power of two)
 RING = F              # where a row read by read_row holds its ring of calls
 RING_N = CALLS_N
