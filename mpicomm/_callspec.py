@@ -25,8 +25,9 @@ from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES,
 
 REFUSED = 0xFFFFFFFF        # the sig of a call this rank refused (an argument error, or a peer's report)
 GPU = 0x100                 # in the first word: the call's arrays are GPU arrays
-ASYNC = 0x200               # in the first word: started with async_op=True (not in the signature:
-#                             a member that refuses the call does not stand in for a started one)
+ASYNC = 0x200               # in the first word: started with async_op=True (a member that refuses
+#                             the call does not stand in for a started one); in the signature of
+#                             host calls: MPI never matches a nonblocking collective with a blocking one
 SPEC_WORDS = 7              # code, dtype, count, op + 1, root + 1, tail hash, sizes hash
 _OPS = tuple(ReduceOp)
 _DTYPES = {}                # dtype id -> name (every name this process has seen, and the common ones)
@@ -98,9 +99,13 @@ class CallSpec:
         return self._words
 
     def started_async(self):
-        """This call is started with async_op=True: said in the words, not in the signature."""
-        w = self._words
-        self._words = (w[0] | ASYNC,) + w[1:]
+        """This call is started with async_op=True: said in the words, and for host arrays in
+        the signature too (MPI: a nonblocking collective never matches a blocking one, so the
+        ranks must agree on it; NCCL runs both alike, in stream order)."""
+        w = self._words = (self._words[0] | ASYNC,) + self._words[1:]
+        if not self.gpu:
+            s = zlib.crc32(repr(w).encode())
+            self.sig = s ^ 1 if s == REFUSED else s
 
     @property
     def name(self):
@@ -118,15 +123,17 @@ class CallSpec:
             text += f", root {self.root}"
         if self.sizes is not None:
             text += f", sizes {_shape(self.sizes)}"
+        if self._words[0] & ASYNC:
+            text += ", async_op=True"
         return text + (" (GPU arrays)" if self.gpu else "")
 
     def diff(self, other):
         """The fields in which ``other`` (a CallSpec or a PeerSpec) differs, in words."""
         a, b = self.words(), other.words()
-        a = (a[0] & 0xFF, a[0] & GPU) + a[1:]
-        b = (b[0] & 0xFF, b[0] & GPU) + b[1:]
-        names = ("collective", "GPU or host arrays", "dtype", "element count", "op", "root", "trailing shape",
-                 "sizes")
+        a = (a[0] & 0xFF, a[0] & GPU, a[0] & ASYNC) + a[1:]
+        b = (b[0] & 0xFF, b[0] & GPU, b[0] & ASYNC) + b[1:]
+        names = ("collective", "GPU or host arrays", "async_op", "dtype", "element count", "op", "root",
+                 "trailing shape", "sizes")
         return ", ".join(n for n, x, y in zip(names, a, b) if x != y) or "the call"
 
 
@@ -194,6 +201,8 @@ class PeerSpec:
             text += ", other sizes"
         elif sizes:
             text += ", per-rank sizes"
+        if code & ASYNC:
+            text += ", async_op=True"
         return text + (" (GPU arrays)" if self.gpu else "")
 
 

@@ -155,6 +155,10 @@ CAUGHT_CASES = {
                          "out_splits=[3 if last else 2] * n)",
     # another element count, started asynchronously: the others wait in Work.wait
     "async_count": "mpicomm.all_reduce(rng.standard_normal(5 if last else 4).astype(np.float32), async_op=True).wait()",
+    # the same all_reduce, async on the last rank only: MPI never matches a nonblocking
+    # collective with a blocking one (the results were wrong on every rank, and every call after)
+    "async_vs_blocking": "(mpicomm.all_reduce(rng.standard_normal(4).astype(np.float32), async_op=True).wait() "
+                         "if last else mpicomm.all_reduce(rng.standard_normal(4).astype(np.float32)))",
     # an object collective against an array collective
     "object_vs_array": "mpicomm.broadcast_object({'a': r}) if last else mpicomm.broadcast(rng.standard_normal(4))",
 }
