@@ -47,7 +47,7 @@ from ._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_POISON, AT_RAI
                                    checkpoint, ghash, p2p_word)
 from ._arrays import is_gpu_array, is_torch
 from . import _native
-from .errors import CollectiveMismatchError, CommunicationError, invalid
+from .errors import CollectiveMismatchError, CommunicationError, MpicommError, invalid
 
 _now = time.perf_counter_ns
 
@@ -330,6 +330,24 @@ class Dispatcher(AgreementPaths):
         self._raised_here(seq)
         raise e
 
+    def foreign_message(self, seq, code, e):
+        """Object collective ``seq`` received bytes that are not an object's pickle (``e``, as
+        pickle or mpi4py's pkl5 raised it): the ranks' calls differ. Told to the members as a
+        disagreement, raised as CollectiveMismatchError."""
+        err = CollectiveMismatchError(
+            f"{NAMES.get(code, '?')} sequence {seq} on group {self.group.name!r}: the message this rank "
+            f"received is not an object collective's ({type(e).__name__}: {e}): the ranks called different "
+            "collectives (an object collective against an array one, or another root). Rerun with "
+            "MPICOMM_DEBUG=1 to see every rank's call.")
+        if self.check and self.group.size > 1 and seq > self.raised:
+            w = self.mem[self.cb + (seq & CALLS_MASK)]
+            k = seq & HOST_MASK
+            other = next((j for pm, pb, j in self.peers if pm[pb + k] != w and pm[pb + k] >> 32 == seq),
+                         None) if self.shr is not None else None
+            self.disagree(seq, code, other, err if other is None else None)   # raises
+        self._raised_here(seq)
+        raise err from e
+
     def raise_in_wait(self, seq, name, e):
         """Work.wait of async call ``seq`` met MPI's own error ``e``: raised as the call's, and
         told to the members as a disagreement where MPI says the messages differ (as
@@ -386,6 +404,10 @@ class Dispatcher(AgreementPaths):
             m[b + AT_RAISED] = v
             if type(e).__module__ == "mpi4py.MPI":   # MPI's own error (a truncated message: the
                 self.raise_in_call(seq, code, e)      # calls differ), as for an array collective
+            if spec is not None and isinstance(e, Exception) and not isinstance(e, MpicommError):
+                # an object collective's message that does not unpickle (its objects were
+                # pickled before the call, so the bytes are another call's): a disagreement
+                self.foreign_message(seq, code, e)
             raise
         return self.finish_call(seq, code, w, r, async_op, False)
 

@@ -244,3 +244,33 @@ def test_objects_are_watched(comm):
     mpicomm.gather_object(3)
     mpicomm.scatter_object([4] * mpicomm.get_group_size() if mpicomm.get_rank() == 0 else None)
     assert d.seq == s + 4
+
+
+@pytest.mark.mpi
+def test_bytes_that_do_not_unpickle_are_a_disagreement(comm):
+    """Inside an object collective, bytes that do not unpickle (pkl5's ValueError on another
+    call's message, as an array broadcast met by broadcast_object gives) raise
+    CollectiveMismatchError naming the call, not the foreign exception. On a group of this
+    rank alone (no member to tell): the error, then the group goes on."""
+    from mpicomm._callspec import CallSpec
+    from mpicomm._ops import BROADCAST
+    from mpicomm._state import get_group
+
+    r = mpicomm.get_rank()
+    name = f"alone{r}"
+    mpicomm.create_group(name, [r])
+    try:
+        d = get_group(name).disp
+
+        def received_garbage():
+            raise ValueError("expecting non-negative size")
+
+        with pytest.raises(mpicomm.CollectiveMismatchError,
+                           match=rf"broadcast sequence {d.seq + 1} on group '{name}': the message this rank "
+                                 r"received is not an object collective's \(ValueError: expecting non-negative size\)"):
+            d.watched(BROADCAST, received_garbage, spec=CallSpec(BROADCAST, root=0))
+        obj = {"r": r, "v": np.random.default_rng(r).standard_normal(3)}
+        got = mpicomm.broadcast_object(obj, group=name)
+        assert got["r"] == r and np.array_equal(got["v"], obj["v"])
+    finally:
+        mpicomm.destroy_group(name)
