@@ -60,6 +60,7 @@ def test_same_permutation_for_a_seed_and_epoch_new_per_epoch():
 @pytest.mark.parametrize("kw, match", [
     (dict(dataset_size=-1, num_shards=2, shard_id=0), r"dataset_size=-1.*an int >= 0"),
     (dict(dataset_size=10.0, num_shards=2, shard_id=0), r"dataset_size=10.0"),
+    (dict(dataset_size="10", num_shards=2, shard_id=0), r"dataset_size='10'.*an int >= 0"),
     (dict(dataset_size=10, num_shards=2, shard_id=0, num_samples=-2), r"num_samples=-2.*None.*how many samples"),
     (dict(dataset_size=10, num_shards=2, shard_id=0, num_samples=3.0), r"num_samples=3.0"),
     (dict(dataset_size=10, num_shards=0, shard_id=0), r"num_shards=0.*an int >= 1"),

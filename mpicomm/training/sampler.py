@@ -68,7 +68,7 @@ class DistributedSampler:
 
     def __init__(self, dataset_size=_UNSET, *args, num_shards=None, shard_id=None, shuffle=True, seed=0,
                  drop_last=False, num_samples=None, num_replicas=None, rank=None):
-        sized = not isinstance(dataset_size, (int, np.integer)) and hasattr(dataset_size, "__len__")
+        sized = not isinstance(dataset_size, (int, np.integer, str, bytes)) and hasattr(dataset_size, "__len__")
         if sized:   # torch's DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)
             if len(args) > 5:
                 raise invalid("positional arguments after the data set", len(args),
