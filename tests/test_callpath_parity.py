@@ -275,7 +275,7 @@ def test_async_repeat_disagreement_leaves_no_work_behind(multi, path, request):
             assert isinstance(e, CollectiveMismatchError), e
             # the finder took part (its own signature, done, not raised before the call);
             # a later rank refused the call before taking part
-            assert f == ((True, True, False, sig_of(x)) if r == finder else (True, True, True, "refused")), f
+            assert f == ((True, True, False, sig_of(x, async_op=True)) if r == finder else (True, True, True, "refused")), f
             same_on_both_paths(request, "words", f)
     assert d.seq >= seq
     assert "dtype" in err or "reported" in err or "refused" in err, err
