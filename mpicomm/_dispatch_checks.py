@@ -291,14 +291,17 @@ class AgreementPaths:
         entered = [j for j, st in states.items() if st in ("entered", "ahead")]
         specs = [spec_words(rows[j], seq) for j in entered]
         specs = [PeerSpec(w) for w in specs if w is not None]
+        # the members inside that described their call made calls of the same bytes (an op or a
+        # dtype of one size apart at most): else no stand-in makes every one of them complete,
+        # and one that fits some would leave the others' bytes behind
+        alike = all(sp.words() == specs[0].words() or _same_bytes(specs[0], sp) for sp in specs[1:])
         stood = False
         text = None
         try:   # (not for a member that started the call async: a blocking stand-in never
             # matches its nonblocking collective; its request is left, and the group starts afresh)
-            if specs and not specs[0].sized and not specs[0].started:
+            if specs and alike and not specs[0].sized and not specs[0].started:
                 try:
-                    self._stand_in(code, specs[0])
-                    stood = True
+                    stood = self._stand_in(code, specs[0])
                 except Exception:   # (the members' own calls differ, e.g. each its own count:
                     pass            # MPI's error here; the group starts afresh, this rank raises its own)
         finally:
@@ -337,17 +340,19 @@ class AgreementPaths:
 
     def _stand_in(self, code, spec):
         """Take part in call ``code`` as ``spec`` describes it, with scratch arrays (the result
-        is dropped): the members waiting inside it complete."""
+        is dropped): the members waiting inside it complete. True where it did; False for a
+        call it cannot make in another's place (then messages of the call may be left in the
+        communicator, and the group starts afresh)."""
         from ._reliability.agreement import dtype_of
 
         if spec.sized or spec.code == 0:
-            return
+            return False
         t = self.plain()
         if spec.code == BARRIER:
             t.barrier(False)
-            return
-        if not spec.dtype:   # a call without arrays (creating or destroying a group): not
-            return           # one a rank can make in another's place
+            return True
+        if not spec.dtype:   # a call without arrays (an object collective, creating or destroying
+            return False     # a group): not one a rank can make in another's place
         g = self.group
         n, me = g.size, g.rank
         dt = dtype_of(spec.dtype)
@@ -378,6 +383,7 @@ class AgreementPaths:
         pc.run(x, out)
         if gpu:
             xp.cuda.get_current_stream().synchronize()
+        return True
 
     def _resync_now(self, seq, code):
         """Make the fresh communicator due (collective over the members) at the start of call

@@ -274,3 +274,27 @@ def test_bytes_that_do_not_unpickle_are_a_disagreement(comm):
         assert got["r"] == r and np.array_equal(got["v"], obj["v"])
     finally:
         mpicomm.destroy_group(name)
+
+
+@pytest.mark.mpi
+def test_no_stand_in_for_an_object_collective(comm):
+    """A member that refuses a call stands in for the members inside it with scratch arrays,
+    and keeps the group's communicator only where it did. An object collective it cannot make
+    in another's place: said so (False), so that the group starts afresh rather than keep the
+    root's bytes for this rank in the communicator (its next broadcast returned them). An array
+    broadcast it can: made (True), on a group of this rank alone here."""
+    from mpicomm._callspec import CallSpec, PeerSpec
+    from mpicomm._ops import BROADCAST
+    from mpicomm._state import get_group
+
+    r = mpicomm.get_rank()
+    name = f"stand{r}"
+    mpicomm.create_group(name, [r])
+    try:
+        d = get_group(name).disp
+        assert d._stand_in(BROADCAST, PeerSpec(CallSpec(BROADCAST, root=0).words())) is False
+        assert d._stand_in(BROADCAST, PeerSpec(CallSpec(BROADCAST, "float32", 16, root=0).words())) is True
+        x = np.random.default_rng(r).standard_normal(5)
+        np.testing.assert_array_equal(mpicomm.broadcast(x.copy(), group=name), x)   # nothing left behind
+    finally:
+        mpicomm.destroy_group(name)
