@@ -11,6 +11,9 @@
 # Prints one line per run, then "passes: K of N", and for the first failed run the failures
 # pytest printed on rank 0 and the end of every other rank's output. Exits 0 only when every
 # run passed. Each run is limited to MPICOMM_STRESS_TIMEOUT seconds (default 900).
+# Each rank prints a failure the moment it happens (MPICOMM_TEST_REPORT_NOW=1), so a rank whose
+# job another rank aborted still says why; MPICOMM_STRESS_KEEP=DIR keeps every rank's whole
+# output of the first failed run in DIR.
 # Environment: as scripts/test.sh (.venv set up on a fresh machine; MPICOMM_NO_INSTALL=1 uses
 # the current python3, e.g. on a GPU machine without a package registry).
 set -euo pipefail
@@ -39,7 +42,7 @@ if [ "$gpus" -gt 0 ]; then
     fi
     what="the GPU test files on $ranks GPUs"
     export NCCL_NVLS_ENABLE=0
-    flags=(-x NCCL_NVLS_ENABLE -x PYTHONPATH -x PYTHONUNBUFFERED)
+    flags=(-x NCCL_NVLS_ENABLE -x PYTHONPATH -x PYTHONUNBUFFERED -x MPICOMM_TEST_REPORT_NOW)
 else
     ranks=${MPICOMM_STRESS_RANKS:-4}
     [ "${#files[@]}" = 0 ] && files=(tests)
@@ -53,6 +56,7 @@ else
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/mpicomm-stress.XXXXXX")
 trap '[ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; rm -rf "$work"' EXIT
+export MPICOMM_TEST_REPORT_NOW=1
 per_rank='r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
           exec "$@" --basetemp="$0/tmp.$r" > "$0/rank.$r.log" 2>&1'
 echo "== stress: $what, $n runs (${files[*]})"
@@ -82,6 +86,10 @@ done
 echo "== passes: $passes of $n ($what)"
 if [ -n "$first_fail" ]; then
     echo "== the first failed run (${first_fail##*/}):"
+    if [ -n "${MPICOMM_STRESS_KEEP:-}" ]; then
+        mkdir -p "$MPICOMM_STRESS_KEEP" && cp "$first_fail"/*.log "$MPICOMM_STRESS_KEEP"/
+        echo "(every rank's whole output: $MPICOMM_STRESS_KEEP)"
+    fi
     if grep -aqE '^=+ (FAILURES|ERRORS) =+$' "$first_fail/rank.0.log"; then
         echo "---- rank 0: pytest's failures"
         sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,$p' "$first_fail/rank.0.log" | head -n 300
@@ -91,8 +99,13 @@ if [ -n "$first_fail" ]; then
     fi
     for f in "$first_fail"/rank.*.log; do
         [ "$f" = "$first_fail/rank.0.log" ] && continue
-        echo "---- ${f##*/} (tail)"
-        tail -n 60 "$f"
+        if grep -aq '^==== FAILED NOW' "$f"; then
+            echo "---- ${f##*/}: its failures"
+            sed -n '/^==== FAILED NOW/,$p' "$f" | head -n 200
+        else
+            echo "---- ${f##*/} (tail)"
+            tail -n 60 "$f"
+        fi
     done
     echo "---- mpirun (tail)"
     tail -n 30 "$first_fail/mpirun.log"

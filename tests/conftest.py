@@ -26,6 +26,17 @@ def pytest_report_header(config):
         return None
 
 
+def pytest_runtest_logreport(report):
+    """With MPICOMM_TEST_REPORT_NOW=1 (scripts/stress.sh sets it) a failure is printed the moment
+    it happens, so a rank whose job is ended by another rank's abort still shows why it failed
+    (pytest prints its FAILURES section only at the end of the session)."""
+    if report.failed and os.environ.get("MPICOMM_TEST_REPORT_NOW") == "1":
+        sys.stderr.write(f"\n==== FAILED NOW: {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        for name, text in report.sections:
+            sys.stderr.write(f"---- {name}\n{text[-4000:]}\n")
+        sys.stderr.flush()
+
+
 @pytest.fixture(scope="session")
 def comm():
     """mpicomm initialised once for the session (backend from MPICOMM_BACKEND or auto)."""
