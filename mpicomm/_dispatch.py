@@ -39,7 +39,7 @@ import time
 
 from ._backends.base import NEVER, Prepared, _dropped as _DROPPED, complete_dropped
 from ._callspec import plain_spec, spec_of
-from ._dispatch_checks import AgreementPaths
+from ._dispatch_checks import AgreementPaths, _code
 from ._ops import BARRIER, COLLECTIVES, NAMES, Sized
 from ._reliability.agreement import HOST_MASK, HOST_N
 from ._reliability.progress import (AT_CKPT, AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, CALLS_N, CK_LEVELS,
@@ -316,10 +316,7 @@ class Dispatcher(AgreementPaths):
             # nonblocking schedule says MPI_ERR_OTHER on some ranks where others say truncated,
             # and every member must take the same way out, the fresh communicator included)
             if self.check and self.group.size > 1 and seq > self.raised:
-                w = m[self.cb + (seq & CALLS_MASK)]
-                k = seq & HOST_MASK
-                other = next((j for pm, pb, j in self.peers
-                              if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
+                other = self.differing_peer(seq)
                 self.disagree(seq, code, other, err if other is None else None)
             self._raised_here(seq)
             raise err from e
@@ -329,6 +326,15 @@ class Dispatcher(AgreementPaths):
         m[b + AT_DONE] = v
         self._raised_here(seq)
         raise e
+
+    def differing_peer(self, seq):
+        """The group rank of a host member whose word for call ``seq`` differs from this rank's
+        (None: none there, or no host-shared copy of the words)."""
+        if self.shr is None:
+            return None
+        w = self.mem[self.cb + (seq & CALLS_MASK)]
+        k = seq & HOST_MASK
+        return next((j for pm, pb, j in self.peers if pm[pb + k] != w and pm[pb + k] >> 32 == seq), None)
 
     def foreign_message(self, seq, code, e):
         """Object collective ``seq`` received bytes that are not an object's pickle (``e``, as
@@ -340,10 +346,7 @@ class Dispatcher(AgreementPaths):
             "collectives (an object collective against an array one, or another root). Rerun with "
             "MPICOMM_DEBUG=1 to see every rank's call.")
         if self.check and self.group.size > 1 and seq > self.raised:
-            w = self.mem[self.cb + (seq & CALLS_MASK)]
-            k = seq & HOST_MASK
-            other = next((j for pm, pb, j in self.peers if pm[pb + k] != w and pm[pb + k] >> 32 == seq),
-                         None) if self.shr is not None else None
+            other = self.differing_peer(seq)
             self.disagree(seq, code, other, err if other is None else None)   # raises
         self._raised_here(seq)
         raise err from e
@@ -352,13 +355,10 @@ class Dispatcher(AgreementPaths):
         """Work.wait of async call ``seq`` met MPI's own error ``e``: raised as the call's, and
         told to the members as a disagreement where MPI says the messages differ (as
         ``raise_in_call`` does for a blocking call). ``name``: the collective's."""
-        code = next((c for c, n in NAMES.items() if n == name), 0)
+        code = _code(name)
         err = mpi_error(e, name, seq, self.group.name)
         if seq > self.raised and self.check and self.group.size > 1:   # (any class: as raise_in_call)
-            w = self.mem[self.cb + (seq & CALLS_MASK)]
-            k = seq & HOST_MASK
-            other = next((j for pm, pb, j in self.peers if pm[pb + k] != w and pm[pb + k] >> 32 == seq),
-                         None) if self.shr is not None else None
+            other = self.differing_peer(seq)
             try:
                 self.disagree(seq, code, other, err if other is None else None)   # raises
             except CollectiveMismatchError as told:
@@ -371,7 +371,7 @@ class Dispatcher(AgreementPaths):
         about it (or an earlier call) is raised as the call returning would have raised it
         (the call will not complete: its reporter left it)."""
         if self.mem[self.row + AT_POISON] and seq == self.seq:
-            self.poisoned_after(seq, next((c for c, n in NAMES.items() if n == name), 0))
+            self.poisoned_after(seq, _code(name))
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""

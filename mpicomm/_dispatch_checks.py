@@ -123,6 +123,35 @@ class AgreementPaths:
         p = self.rel.progress
         p.cas(p.wrank, self.row + AT_POISON, expected, new)
 
+    def _every_call(self, seq):
+        """Every member's call ``seq``: waits until each has refused or entered it and each that
+        entered has described it (each does: as it reports or takes a report in, or at its
+        watchdog's next wake, also while it waits in the call or is past it), within the
+        patience. Returns (rows {group rank: row or None (gone)}, the PeerSpecs of those that
+        entered, whether one refused)."""
+        from ._reliability.agreement import ring_word, spec_words, wait_rows
+
+        def described(rows):
+            for row in rows.values():
+                if row is None:
+                    continue      # no answer: taken as gone
+                st = ring_word(row, seq)[1]
+                if st == "behind" or (st in ("entered", "ahead") and spec_words(row, seq) is None):
+                    return False
+            return True
+
+        rows = wait_rows(self.rel.progress, self._members(), self.slots, described, timeout=self._patience())
+        specs, refused = [], False
+        for row in rows.values():
+            if row is None:
+                continue
+            st = ring_word(row, seq)[1]
+            refused = refused or st == "refused"
+            w = spec_words(row, seq) if st in ("entered", "ahead") else None
+            if w is not None:
+                specs.append(PeerSpec(w))
+        return rows, specs, refused
+
     def _patience(self):
         """Seconds a step of the protocol waits for a member's word (its description, its
         decision on a fresh communicator): the job's timeout, without bound where there is
@@ -199,7 +228,7 @@ class AgreementPaths:
     def disagree(self, seq, code, peer, err):
         """This rank's call ``seq`` differs from group rank ``peer``'s (or MPI said so in
         ``err``): raise CollectiveMismatchError naming both calls, and tell every member."""
-        from ._reliability.agreement import publish_spec, ring_word, spec_words, wait_rows
+        from ._reliability.agreement import publish_spec, ring_word, spec_words
 
         g = self.group
         mine = self.spec_for(seq)
@@ -210,26 +239,20 @@ class AgreementPaths:
         self._tell(seq, f"{name} sequence {seq} on group {g.name!r}: the ranks called differently "
                         f"({self._me()} found it)")
         calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
-        # whether messages of the call may be left unmatched (then: a fresh communicator): where
-        # the peer's call could not be described, only MPI's own truncation error says so
-        # (a started async call may stay pending on some: always afresh, whatever the peer's
-        # description says, so that every member decides alike)
-        fresh = err is not None or (mine is not None and bool(mine.words()[0] & ASYNC))
+        # whether messages of the call may be left unmatched (then: a fresh communicator), from
+        # every member's call (see _clean), or MPI's own error here
+        rows, specs, one_refused = self._every_call(seq) if self.slots is not None else ({}, [], False)
+        fresh = err is not None or mine is None or not _clean([PeerSpec(mine.words())] + specs, one_refused)
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
             # (a peer that refused the call publishes no description: its refusal is the answer)
-            rows = wait_rows(self.rel.progress, {peer: wr}, self.slots,
-                             lambda rows: rows[peer] is None or spec_words(rows[peer], seq) is not None
-                             or ring_word(rows[peer], seq)[1] == "refused", timeout=self._patience())
-            sw = spec_words(rows[peer], seq) if rows[peer] is not None else None
-            refused = sw is None and rows[peer] is not None and ring_word(rows[peer], seq)[1] == "refused"
+            sw = spec_words(rows[peer], seq) if rows.get(peer) is not None else None
+            refused = sw is None and rows.get(peer) is not None and ring_word(rows[peer], seq)[1] == "refused"
             other = PeerSpec(sw).describe(mine) if sw is not None else \
                 f"refused the call ({self.rel.progress.reason_of(wr) or 'its reason not published'})" if refused \
                 else "another call (not described)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
-            if sw is not None and mine is not None:
-                fresh = fresh or not _same_bytes(mine, PeerSpec(sw)) or PeerSpec(sw).started
         elif isinstance(err, CollectiveMismatchError):
             calls.append("MPI_ERR_TRUNCATE: a peer sent more than this call makes room for")
         elif err is not None:
@@ -246,8 +269,6 @@ class AgreementPaths:
         """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
         ``reason`` came first): publish the refusal, wait until every member has refused
         or entered, stand in for the call where members wait inside it, then raise."""
-        from ._reliability.agreement import ring_word, spec_words, wait_rows
-
         from ._callspec import REFUSED as _R
 
         g = self.group
@@ -263,52 +284,27 @@ class AgreementPaths:
             self.shr[self.shb + (seq & HOST_MASK)] = w
         if e is not None:
             self._tell(seq, text)
-        members = self._members()
         if self.slots is None:
             self._after(seq, False)
             m[b + AT_DONE] = m[b]
             raise e if e is not None else CollectiveMismatchError(reason)
 
-        def decided(rows):
-            # every member has refused or entered; of those that entered, one has published its
-            # description (each does: as it reports or answers a report, or at its watchdog's
-            # next wake while it waits in the call), which the stand-in needs: a refusal that
-            # could not stand in would leave the group a fresh start its reporter did not decide
-            entered, described = False, False
-            for j, row in rows.items():
-                if row is None:
-                    continue      # no answer: taken as gone
-                _, st = ring_word(row, seq)
-                if st == "behind":
-                    return False
-                if st in ("entered", "ahead"):
-                    entered = True
-                    described = described or spec_words(row, seq) is not None
-            return described or not entered
-
-        rows = wait_rows(self.rel.progress, members, self.slots, decided, timeout=self._patience())
-        states = {j: (ring_word(r, seq)[1] if r is not None else "gone") for j, r in rows.items()}
-        entered = [j for j, st in states.items() if st in ("entered", "ahead")]
-        specs = [spec_words(rows[j], seq) for j in entered]
-        specs = [PeerSpec(w) for w in specs if w is not None]
-        # the members inside that described their call made calls of the same bytes (an op or a
-        # dtype of one size apart at most): else no stand-in makes every one of them complete,
-        # and one that fits some would leave the others' bytes behind
-        alike = all(sp.words() == specs[0].words() or _same_bytes(specs[0], sp) for sp in specs[1:])
-        stood = False
+        # every member's call, described (a stand-in for members inside the call needs it, and
+        # so does the decision on a fresh start, which every deciding rank makes alike: _clean)
+        _, specs, _ = self._every_call(seq)
+        clean = _clean(specs, True)
         text = None
-        try:   # (not for a member that started the call async: a blocking stand-in never
-            # matches its nonblocking collective; its request is left, and the group starts afresh)
-            if specs and alike and not specs[0].sized and not specs[0].started:
+        try:   # (where the calls are clean, one stand-in fits every member inside: none of them
+            # started it async, and all move the same bytes)
+            if specs and clean:
                 try:
-                    stood = self._stand_in(code, specs[0])
-                except Exception:   # (the members' own calls differ, e.g. each its own count:
-                    pass            # MPI's error here; the group starts afresh, this rank raises its own)
+                    clean = self._stand_in(code, specs[0])
+                except Exception:   # (MPI's error here, e.g. the members' own calls differ
+                    clean = False   # in what a description does not show: the group starts afresh)
         finally:
             m[b + AT_DONE] = m[b]
-            fresh = bool(entered) and not stood
-            self._after(seq, fresh)
-            self._decide(seq, fresh)
+            self._after(seq, not clean)
+            self._decide(seq, not clean)
         if e is not None:
             raise e
         if who is not None:   # the reporter's final words (it may have been describing still)
@@ -445,6 +441,8 @@ class AgreementPaths:
         if not word & ACROSS:
             decided = self._decision(who, k)
             if self._fresh(decided[1], k):
+                if k < seq - 1:
+                    self._ran_ahead(k, seq, who, decided[0])
                 self._raised_here(k)
                 self._resync_now(seq, code)
         m[b] = seq << 4 | code
@@ -461,15 +459,30 @@ class AgreementPaths:
                 self._after(k, False)
             else:
                 reason, resync = decided
-                self._after(k, resync is None and self._fresh(self._late_decision(who), k))
+                self._after(k, resync is None and self._fresh(self._late_decision(who, k), k))
                 if reason:
                     err.args = (reason + late,)
 
-    def _late_decision(self, who):
+    def _late_decision(self, who, k):
         """The decision of reporter ``who`` that was not there in time before this rank's
         refusal: read once more (a fresh communicator at this rank's next call); None when
         still undecided."""
         return self._decision(who, k)[1]
+
+    def _ran_ahead(self, k, seq, who, reason):
+        """This rank made calls ``k + 1`` to ``seq - 1`` of the group on the old communicator
+        before the report about call ``k`` came (it had returned from call k: a broadcast's
+        root, a gather's sender), and the group starts afresh after call k: the members make
+        those calls on the fresh communicator, where they wait for this rank's part for ever.
+        Ends the job now, naming the calls (never returns)."""
+        names = ", ".join(f"call {c} ({sp.describe()})" if sp is not None else f"call {c}"
+                          for c, sp in ((c, self.spec_for(c)) for c in range(k + 1, min(seq, k + 4))))
+        more = f" and {seq - k - 4} more" if seq - k > 4 else ""
+        msg = (f"{reason or f'rank {who} reported a disagreement in call {k}'}. {self._me()} had returned "
+               f"from call {k} and made {names}{more} of group {self.group.name!r} before the report came; "
+               "the group starts afresh after the report, and the members make them on the fresh "
+               "communicator, where they cannot complete: the job ends")
+        self.rel.watchdog.end_job(self.group, msg)
 
     def _fresh(self, decision, k):
         """Whether the group makes a fresh communicator after call ``k``: the reporter's
@@ -518,6 +531,26 @@ class AgreementPaths:
 def _code(name):
     """The collective code of ``name`` (looked up only on a slow path)."""
     return next((c for c, n in NAMES.items() if n == name), 0)
+
+
+def _clean(specs, refused):
+    """Whether the calls of one sequence number leave no message in the communicator (then the
+    group needs no fresh start), from the descriptions ``specs`` (PeerSpec) of every member that
+    entered it and whether a member refused it (that member's stand-in makes its part). Every
+    rank that decides has the same descriptions, so all decide alike: a reporter with only its
+    peer's description, or a refuser with one entered member's, decided otherwise than one that
+    saw another member's, and members that kept the old communicator returned another call's
+    bytes from their next call."""
+    if not specs:
+        return True   # no member entered the call
+    a = specs[0]
+    if any(sp.started for sp in specs):   # (a started async request may stay pending; a blocking
+        return False                      # stand-in never matches it)
+    if not all(sp.words() == a.words() or _same_bytes(a, sp) for sp in specs[1:]):
+        return False
+    # a refusing member stands in with scratch arrays: not for sizes of each rank's own, nor
+    # for a call without arrays (an object collective, creating a group) but a barrier
+    return not refused or (not a.sized and a.code != 0 and (a.code == BARRIER or bool(a.dtype)))
 
 
 def _same_bytes(a, b):

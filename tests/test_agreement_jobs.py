@@ -143,7 +143,10 @@ for salt in (1, 2):   # the group goes on (a rank that returned raises in the fi
     parts = [np.random.default_rng([salt, k]).standard_normal(5) for k in range(n)]
     try:
         got = mpicomm.all_reduce(parts[r])
-        print(f"rank {r}: next {'ok' if np.allclose(got, np.sum(parts, axis=0)) else 'WRONG'}", flush=True)
+        # (a broadcast too: bytes of an earlier broadcast left in the communicator come here)
+        got2 = mpicomm.broadcast(parts[r] * 2, root=0)
+        right = np.allclose(got, np.sum(parts, axis=0)) and np.array_equal(got2, parts[0] * 2)
+        print(f"rank {r}: next {'ok' if right else 'WRONG'}", flush=True)
     except mpicomm.MpicommError as e:
         print(f"rank {r}: next raised {type(e).__name__}", flush=True)
 print(f"rank {r}: done in {time.monotonic() - t0:.1f} s", flush=True)
@@ -161,11 +164,14 @@ CAUGHT_CASES = {
                          "if last else mpicomm.all_reduce(rng.standard_normal(4).astype(np.float32)))",
     # an object collective against an array collective
     "object_vs_array": "mpicomm.broadcast_object({'a': r}) if last else mpicomm.broadcast(rng.standard_normal(4))",
+    # the same from the root: its object's bytes stay in the communicator, and members that
+    # decided alone whether the group starts afresh returned them from their next broadcast
+    "object_root_vs_array": "mpicomm.broadcast_object({'a': r}) if r == 0 else mpicomm.broadcast(rng.standard_normal(4))",
 }
 
 
 @spawns_mpirun
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("case", sorted(CAUGHT_CASES))
 def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n):
     """Disagreements a program catches and goes on from: every rank raises (in the call, in
@@ -185,6 +191,64 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
         assert out.count(": next ok") >= n, out[-3000:]   # the second call at least
     else:
         assert "CollectiveMismatchError" in out, out[-3000:]
+
+
+ROOT_AHEAD = r"""
+import os, time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+here = os.path.dirname(os.path.abspath(__file__))
+
+def wait_for(name):   # another rank's step, by the file it writes after it
+    while not os.path.exists(os.path.join(here, name)):
+        time.sleep(0.01)
+
+def mark(name):
+    open(os.path.join(here, name), "w").close()
+
+x = np.random.default_rng(r).standard_normal(4)
+mpicomm.barrier()
+if r != 0:
+    wait_for("root-made-call-3")   # rank 0, the root, makes calls 2 and 3 (they return at once) first
+try:
+    # rank 0 broadcasts 4 x float32 where the others take 4 x float64: other bytes, so the group
+    # starts afresh after the call
+    mpicomm.broadcast(x.astype(np.float32) if r == 0 else x, root=0)
+    print(f"rank {r}: returned", flush=True)
+except mpicomm.CollectiveMismatchError:
+    print(f"rank {r}: raised", flush=True)
+    mark(f"raised-{r}")   # (a rank raises once the report is in every member's row)
+try:
+    got = mpicomm.broadcast(x * 3, root=0)   # call 3: rank 0 makes it on the old communicator
+    right = np.random.default_rng(0).standard_normal(4) * 3
+    print(f"rank {r}: call 3 {'ok' if np.array_equal(got, right) else 'WRONG'}", flush=True)
+except mpicomm.MpicommError as e:
+    print(f"rank {r}: call 3 raised {type(e).__name__}", flush=True)
+if r == 0:
+    mark("root-made-call-3")
+    wait_for("raised-1")   # the report about call 2 is in this rank's row now
+mpicomm.all_reduce(x)
+print(f"rank {r}: done", flush=True)
+"""
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_root_past_the_reported_call_ends_the_job_naming_its_calls(tmp_path, n):
+    """A broadcast root returns at once, so it may make the group's next calls before a member
+    reports the call that differed; those calls went out on the communicator the members leave
+    for a fresh one, where they would wait for them for ever: the root ends the job at its
+    next call, within seconds, naming them. No rank returns a wrong result."""
+    p, took = _job(tmp_path, ROOT_AHEAD, n)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "WRONG" not in out and "rank 0: done" not in out, out[-3000:]
+    assert all(f"rank {q}: raised" in out for q in range(1, n)), out[-3000:]
+    assert re.search(r"rank 0 had returned from call 2 and made call 3 \(broadcast of 4 x float64, root 0\) of "
+                     r"group 'world' before the report came", out), out[-3000:]
+    assert "rank 1: call 3 ok" not in out, out[-3000:]   # (the members wait in it: the job ends)
+    assert f"did not complete within {TIMEOUT} s" not in out, out[-3000:]
+    assert took < EARLY, took
 
 
 RUN_AHEAD = r"""

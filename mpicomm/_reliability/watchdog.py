@@ -323,7 +323,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 return False
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first >= TIMING.refusal_wait:
-                why = "; ".join(self.progress.reason_of(wr) or f"rank {wr} refused the call" for wr in refused)
+                why = "; ".join(dict.fromkeys(self.progress.reason_of(wr) or f"rank {wr} refused the call"
+                                              for wr in refused))   # (each reason once)
                 return self._fire_mismatch(g, seq, why, waited)
             return False
         if not bad:
@@ -369,6 +370,17 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         self.lagging = []
         self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
         return True
+
+    def end_job(self, g, msg):
+        """End the job now, from the main thread, with ``msg`` (a disagreement in group ``g``
+        that the members cannot recover from, found by the dispatcher); never returns."""
+        with self._lock:
+            fired, self.fired = self.fired, True
+        if fired:   # (the watchdog is reporting already: it ends the job)
+            while True:
+                time.sleep(1)
+        self.lagging = []
+        self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
 
     def _p2p_disp(self):
         gh = int(self.progress.m[P2P_GH])
