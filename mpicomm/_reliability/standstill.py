@@ -36,7 +36,8 @@ class Standstills:
         why = self.progress.reason_of(self.progress.wrank) or "an earlier disagreement"
         return self._fire_mismatch(g, seq, f"after {why}: this rank makes the group's fresh communicator at "
                                    f"the start of call {seq}, which rank(s) {', '.join(map(str, apart))} entered on "
-                                   "the old one (the members decided differently on a fresh start)", waited)
+                                   "the old one (before the report reached them, or the members decided "
+                                   "differently on a fresh start)", waited)
 
     def _crossed(self, g, b, e, s, now, states):
         """Call ``e`` (ENTERED word) of ``g`` waits for a member that is blocked in a call of
