@@ -371,7 +371,7 @@ class Dispatcher(AgreementPaths):
         about it (or an earlier call) is raised as the call returning would have raised it
         (the call will not complete: its reporter left it)."""
         if self.mem[self.row + AT_POISON] and seq == self.seq:
-            self.poisoned_after(seq, _code(name))
+            self.poisoned_after(seq, _code(name), True)
 
     def describe(self, code):
         """'shape .., dtype ..' of the group's last call of collective ``code``."""

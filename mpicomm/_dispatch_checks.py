@@ -506,23 +506,30 @@ class AgreementPaths:
         self._after(seq, self._fresh(resync, seq))
         raise _peer_error(reason or f"rank {who} refused call {seq}")
 
-    def poisoned_after(self, seq, code):
+    def poisoned_after(self, seq, code, waiting=False):
         """After call ``seq`` returned: a member's report about it arrived, or the report across
-        hosts that every rank raises after this call."""
+        hosts that every rank raises after this call. A report about an earlier call, which
+        this rank had returned from (it came while this rank was in call ``seq``, which its
+        members made too), stays for the next call: this rank refuses that one and raises the
+        report there (``poisoned``), so that every member raises in that same call. (Raised
+        here, on this rank alone, it made a program that catches the error skip other calls
+        on this rank than on the others.) ``waiting``: Work.wait's check while call ``seq`` is
+        pending, where a report about an earlier call is raised at once, the request abandoned
+        (where the group starts afresh its members never come to it)."""
         from ._reliability.agreement import ACROSS, poison_fields, report_of
 
         m, b = self.mem, self.row
         word = m[b + AT_POISON]
         k, who = poison_fields(word)
-        if k <= self.raised or k > seq or (word & ACROSS and k < seq):   # (a report across hosts
-            return   # that came too late for call k: raised in the next call, refusing it)
+        if k <= self.raised or k > seq or (k < seq and (word & ACROSS or not waiting)):
+            return   # (k > seq: a member ahead, refused when this rank gets there; k < seq: as above)
         self._poison_cas(word, 0)   # (a word that came meanwhile stays for the next call)
         m[b + AT_DONE] = seq << 4 | code
         if word & ACROSS:   # every member made call k as usual: the group needs nothing more
             self._raised_here(k)
             raise _peer_error((report_of(self.rel.progress, word) or f"rank {who} found that calls differ between "
                                "hosts") + f" [raised after call {k}, on every rank of the group]")
-        self._answer(k, seq)   # (and call seq, which a member may refuse: the report came first there)
+        self._answer(k, seq)
         reason, resync = self._decision(who, k)
         self._after(k, self._fresh(resync, k))
         raise _peer_error(reason or f"rank {who} reported a disagreement in call {k}")
