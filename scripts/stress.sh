@@ -90,16 +90,11 @@ if [ -n "$first_fail" ]; then
         mkdir -p "$MPICOMM_STRESS_KEEP" && cp "$first_fail"/*.log "$MPICOMM_STRESS_KEEP"/
         echo "(every rank's whole output: $MPICOMM_STRESS_KEEP)"
     fi
-    if grep -aqE '^=+ (FAILURES|ERRORS) =+$' "$first_fail/rank.0.log"; then
-        echo "---- rank 0: pytest's failures"
-        sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,$p' "$first_fail/rank.0.log" | head -n 300
-    else
-        echo "---- rank.0.log (tail)"
-        tail -n 60 "$first_fail/rank.0.log"
-    fi
-    for f in "$first_fail"/rank.*.log; do
-        [ "$f" = "$first_fail/rank.0.log" ] && continue
-        if grep -aq '^==== FAILED NOW' "$f"; then
+    for f in "$first_fail"/rank.*.log; do   # each rank: pytest's failures, else those it printed
+        if grep -aqE '^=+ (FAILURES|ERRORS) =+$' "$f"; then   # at once, else the end of its output
+            echo "---- ${f##*/}: pytest's failures"
+            sed -n '/^=\+ \(FAILURES\|ERRORS\) =\+$/,$p' "$f" | head -n 300
+        elif grep -aq '^==== FAILED NOW' "$f"; then
             echo "---- ${f##*/}: its failures"
             sed -n '/^==== FAILED NOW/,$p' "$f" | head -n 200
         else
