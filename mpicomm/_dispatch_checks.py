@@ -554,10 +554,8 @@ def _clean(specs, refused):
     """Whether the calls of one sequence number leave no message in the communicator (then the
     group needs no fresh start), from the descriptions ``specs`` (PeerSpec) of every member that
     entered it and whether a member refused it (that member's stand-in makes its part). Every
-    rank that decides has the same descriptions, so all decide alike: a reporter with only its
-    peer's description, or a refuser with one entered member's, decided otherwise than one that
-    saw another member's, and members that kept the old communicator returned another call's
-    bytes from their next call."""
+    rank that decides has all the descriptions, so all decide alike (members that kept the old
+    communicator where others started afresh would return another call's bytes)."""
     if not specs:
         return True   # no member entered the call
     a = specs[0]

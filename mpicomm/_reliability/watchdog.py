@@ -376,9 +376,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
         that the members cannot recover from, found by the dispatcher); never returns."""
         with self._lock:
             fired, self.fired = self.fired, True
-        if fired:   # (the watchdog is reporting already: it ends the job)
-            while True:
-                time.sleep(1)
+        if fired:   # (the watchdog is reporting already: it ends the job, else this rank does)
+            time.sleep(TIMING.grace + TIMING.dump_wait + 5)
         self.lagging = []
         self._report(msg, False, g.ranks, kind="CollectiveMismatchError")
 
