@@ -123,44 +123,51 @@ class AgreementPaths:
         p = self.rel.progress
         p.cas(p.wrank, self.row + AT_POISON, expected, new)
 
-    def _every_call(self, seq):
-        """Every member's call ``seq``: waits until each has refused or entered it and each that
-        entered has described it (each does: as it reports or takes a report in, or at its
-        watchdog's next wake, also while it waits in the call or is past it), within the
-        patience. A member's row is read again only until it has settled (two RMA reads each,
-        so a group of 1,000 costs about 2,000 reads, not that many every poll). Returns (rows
-        {group rank: row or None (gone)}, the PeerSpecs of those that entered, whether one
-        refused)."""
+    def _every_call(self, seq, own=False):
+        """Every member's call ``seq``: waits until each has refused or entered it, and for each
+        signature among those that entered, until a member with it has described it (each
+        does: as it reports or takes a report in, or at its watchdog's next wake; members with
+        one signature made one call, so one description serves them all, and a member that
+        went on, whose watchdog describes later calls, need not describe it), within the
+        patience. A member's row is read again only until it has settled (two RMA reads each:
+        a group of 1,000 costs about 2,000). ``own``: this rank entered the call too (its
+        signature is described). Returns (rows {group rank: row or None (gone)},
+        {signature: PeerSpec}, whether a member refused)."""
         from ._reliability.agreement import read_row, ring_word, spec_words
 
-        def settled(row):
-            if row is None:
-                return True       # no answer: taken as gone
-            st = ring_word(row, seq)[1]
-            return st == "refused" or (st in ("entered", "ahead") and spec_words(row, seq) is not None)
-
         members, p = self._members(), self.rel.progress
-        rows = {}
+        rows, known, refused = {}, {}, False
+        if own:
+            mine, w = self.spec_for(seq), self.mem[self.cb + (seq & CALLS_MASK)]
+            if mine is not None:
+                known[w & 0xFFFFFFFF if w >> 32 == seq else mine.sig] = PeerSpec(mine.words())
         todo = dict(members)
         deadline = time.monotonic() + self._patience()
         while True:
             for j, wr in list(todo.items()):
-                rows[j] = read_row(p, wr, self.slots[j])
-                if settled(rows[j]):
+                row = rows[j] = read_row(p, wr, self.slots[j])
+                if row is None:       # no answer: taken as gone
+                    del todo[j]
+                    continue
+                w, st = ring_word(row, seq)
+                if st == "behind":
+                    continue
+                if st == "refused":
+                    refused = True
+                    del todo[j]
+                    continue
+                sw = spec_words(row, seq)
+                if sw is not None:   # ('ahead': its ring word is gone, its description says it all)
+                    known.setdefault(w & 0xFFFFFFFF if st == "entered" else ("ahead", j), PeerSpec(sw))
+                    del todo[j]
+            for j in list(todo):   # entered with a signature that another member described
+                w, st = ring_word(rows[j], seq) if rows.get(j) is not None else (0, "behind")
+                if st == "entered" and (w & 0xFFFFFFFF) in known:
                     del todo[j]
             if not todo or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
-        specs, refused = [], False
-        for row in rows.values():
-            if row is None:
-                continue
-            st = ring_word(row, seq)[1]
-            refused = refused or st == "refused"
-            w = spec_words(row, seq) if st in ("entered", "ahead") else None
-            if w is not None:
-                specs.append(PeerSpec(w))
-        return rows, specs, refused
+        return rows, known, refused
 
     def _patience(self):
         """Seconds a step of the protocol waits for a member's word (its description, its
@@ -251,13 +258,15 @@ class AgreementPaths:
         calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
         # whether messages of the call may be left unmatched (then: a fresh communicator), from
         # every member's call (see _clean), or MPI's own error here
-        rows, specs, one_refused = self._every_call(seq) if self.slots is not None else ({}, [], False)
-        fresh = err is not None or mine is None or not _clean([PeerSpec(mine.words())] + specs, one_refused)
+        rows, known, one_refused = self._every_call(seq, True) if self.slots is not None else ({}, {}, False)
+        fresh = err is not None or mine is None or not _clean(list(known.values()), one_refused)
         if peer is not None and self.slots is not None:
             wr = g.ranks[peer]
             # (a peer that refused the call publishes no description: its refusal is the answer)
-            sw = spec_words(rows[peer], seq) if rows.get(peer) is not None else None
-            refused = sw is None and rows.get(peer) is not None and ring_word(rows[peer], seq)[1] == "refused"
+            pw, st = ring_word(rows[peer], seq) if rows.get(peer) is not None else (0, "gone")
+            sp = known.get(pw & 0xFFFFFFFF) if st == "entered" else None
+            sw = sp.words() if sp is not None else (spec_words(rows[peer], seq) if st == "ahead" else None)
+            refused = st == "refused"
             other = PeerSpec(sw).describe(mine) if sw is not None else \
                 f"refused the call ({self.rel.progress.reason_of(wr) or 'its reason not published'})" if refused \
                 else "another call (not described)"
@@ -301,7 +310,8 @@ class AgreementPaths:
 
         # every member's call, described (a stand-in for members inside the call needs it, and
         # so does the decision on a fresh start, which every deciding rank makes alike: _clean)
-        _, specs, _ = self._every_call(seq)
+        _, known, _ = self._every_call(seq)
+        specs = list(known.values())
         clean = _clean(specs, True)
         text = None
         try:   # (where the calls are clean, one stand-in fits every member inside: none of them
@@ -552,15 +562,15 @@ def _code(name):
 
 def _clean(specs, refused):
     """Whether the calls of one sequence number leave no message in the communicator (then the
-    group needs no fresh start), from the descriptions ``specs`` (PeerSpec) of every member that
-    entered it and whether a member refused it (that member's stand-in makes its part). Every
+    group needs no fresh start), from the descriptions ``specs`` (PeerSpec) of the calls of the
+    members that entered it (one for each signature among them) and whether a member refused it (that member's stand-in makes its part). Every
     rank that decides has all the descriptions, so all decide alike (members that kept the old
     communicator where others started afresh would return another call's bytes)."""
     if not specs:
         return True   # no member entered the call
     a = specs[0]
-    if any(sp.started for sp in specs):   # (a started async request may stay pending; a blocking
-        return False                      # stand-in never matches it)
+    if any(sp.started and not sp.gpu for sp in specs):   # (a started MPI request may stay
+        return False                                    # pending; a blocking stand-in never matches it)
     if not all(sp.words() == a.words() or _same_bytes(a, sp) for sp in specs[1:]):
         return False
     # a refusing member stands in with scratch arrays: not for sizes of each rank's own, nor

@@ -251,6 +251,68 @@ def test_a_root_past_the_reported_call_ends_the_job_naming_its_calls(tmp_path, n
     assert took < EARLY, took
 
 
+REPEATED = r"""
+import time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+last = r == n - 1
+CALLS = {
+    # the same bytes: every call completes, only the words differ (a sender runs ahead)
+    "gather_same_bytes": lambda x, i: mpicomm.gather(x.astype(np.int64) if r == 0 else x, root=n - 1),
+    "allreduce_op": lambda x, i: mpicomm.all_reduce(x, op="max" if last else "sum"),
+    "allgather_dtype": lambda x, i: mpicomm.all_gather(x.astype(np.int64) if last else x),
+    "reduce_op": lambda x, i: mpicomm.reduce(x, op="max" if r == 1 else "sum", root=0),
+    # refused on one rank
+    "refuse_out_shape": lambda x, i: mpicomm.all_reduce(x, out=np.empty(5) if last else None),
+    "refuse_bad_root": lambda x, i: mpicomm.broadcast(x, root=n + 3 if last else 0),
+    # other bytes, or calls that cannot complete: caught, or the job ends naming them
+    "bcast_other_bytes": lambda x, i: mpicomm.broadcast(x.astype(np.float32) if r == 0 else x, root=0),
+    "allreduce_count": lambda x, i: mpicomm.all_reduce(x[:5] if last else x),
+    "allreduce_dtype": lambda x, i: mpicomm.all_reduce(x.astype(np.float32) if last else x),
+    "object_vs_bcast": lambda x, i: mpicomm.broadcast_object({"i": i}) if r == 0 else mpicomm.broadcast(x, root=0),
+    "async_vs_blocking": lambda x, i: mpicomm.all_reduce(x, async_op=True).wait() if last else mpicomm.all_reduce(x),
+}
+call = CALLS[CASE]
+for i in range(50):
+    try:
+        call(np.random.default_rng([i, r]).standard_normal(6), i)
+    except mpicomm.MpicommError:
+        pass
+    parts = [np.random.default_rng([i, 99, k]).standard_normal(4) for k in range(n)]
+    try:   # checked calls after each: an all_reduce and a broadcast from a rank that changes
+        got = mpicomm.all_reduce(parts[r])
+        got2 = mpicomm.broadcast(parts[r] * 2, root=i % n)
+        if not (np.allclose(got, np.sum(parts, axis=0)) and np.array_equal(got2, parts[i % n] * 2)):
+            print(f"rank {r}: iteration {i} WRONG", flush=True)
+    except mpicomm.MpicommError:
+        pass
+print(f"rank {r}: done", flush=True)
+"""
+CAUGHT_50 = ("gather_same_bytes", "allreduce_op", "allgather_dtype", "reduce_op", "refuse_out_shape",
+             "refuse_bad_root")
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("case", ["gather_same_bytes", "allreduce_op", "allgather_dtype", "reduce_op",
+                                  "refuse_out_shape", "refuse_bad_root", "bcast_other_bytes", "allreduce_count",
+                                  "allreduce_dtype", "object_vs_bcast", "async_vs_blocking"])
+def test_the_same_disagreement_caught_50_times_in_a_row(tmp_path, case, n):
+    """One disagreement made and caught 50 times in a row, each followed by checked calls:
+    never a wrong result, never a wait for the timeout. Where the calls move the same bytes,
+    or one rank refuses, the program goes on to its end; otherwise it goes on or the job ends
+    within seconds, naming the calls."""
+    p, took = _job(tmp_path, REPEATED.replace("CASE", repr(case)), n)
+    out = p.stdout + p.stderr
+    assert "WRONG" not in out, out[-3000:]
+    assert f"did not complete within {TIMEOUT} s" not in out, out[-3000:]
+    assert took < EARLY, took
+    if case in CAUGHT_50 or p.returncode == 0:
+        assert p.returncode == 0 and out.count(": done") == n, out[-3000:]
+    else:
+        assert "CollectiveMismatchError" in out, out[-3000:]
+
+
 RUN_AHEAD = r"""
 import time, numpy as np, mpicomm
 mpicomm.init(backend="mpi")
