@@ -275,7 +275,15 @@ CALLS = {
 call = CALLS[CASE]
 for i in range(50):
     try:
-        call(np.random.default_rng([i, r]).standard_normal(6), i)
+        res = call(np.random.default_rng([i, r]).standard_normal(6), i)
+        # a rank may return from the call itself (where the report came after) only with a right
+        # result: a non-root of gather or reduce (None), root 0's data from a broadcast
+        x0 = np.random.default_rng([i, 0]).standard_normal(6)
+        right = res is None or (CASE == "object_vs_bcast" and r == 0) or (
+            CASE in ("bcast_other_bytes", "object_vs_bcast", "refuse_bad_root") and isinstance(res, np.ndarray)
+            and np.array_equal(res, x0.astype(res.dtype)) and (r == 0 or res.dtype == x0.dtype))
+        if not right:
+            print(f"rank {r}: iteration {i}: the call itself returned without raising: WRONG", flush=True)
     except mpicomm.MpicommError:
         pass
     parts = [np.random.default_rng([i, 99, k]).standard_normal(4) for k in range(n)]
