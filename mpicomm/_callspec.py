@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 
-from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER,
+from ._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER,
                    SCATTER, ReduceOp, Sized)
 
 REFUSED = 0xFFFFFFFF        # the sig of a call this rank refused (an argument error, or a peer's report)
@@ -204,6 +204,26 @@ class PeerSpec:
         if code & ASYNC:
             text += ", async_op=True"
         return text + (" (GPU arrays)" if self.gpu else "")
+
+
+def same_bytes(a, b):
+    """True when calls ``a`` and ``b`` (PeerSpec or CallSpec) differ only in what MPI does not
+    see (an op, a dtype of the same size): every message of either is matched by the other's."""
+    from ._dtypes import dtype_of
+
+    wa, wb = a.words(), b.words()
+    try:
+        sa, sb = dtype_of(a.dtype).itemsize, dtype_of(b.dtype).itemsize
+    except (TypeError, ValueError):   # a dtype this process cannot name
+        return False
+    return wa[0] == wb[0] and wa[2] == wb[2] and wa[4:] == wb[4:] and sa == sb
+
+
+def standable(spec):
+    """Whether a member can take part in call ``spec`` in another's place with scratch arrays:
+    not where each rank brings its own sizes, nor for a call without arrays (an object
+    collective, creating or destroying a group) other than a barrier."""
+    return not spec.sized and spec.code != 0 and (spec.code == BARRIER or bool(spec.dtype))
 
 
 def _shape(t):

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from ._backends.base import NEVER
-from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec
+from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec, same_bytes, standable
+from ._dtypes import dtype_of
 from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
@@ -288,7 +289,6 @@ class AgreementPaths:
         """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
         ``reason`` came first): publish the refusal, wait until every member has refused
         or entered, stand in for the call where members wait inside it, then raise."""
-        from ._callspec import REFUSED as _R
 
         g = self.group
         m, b = self.mem, self.row
@@ -297,7 +297,7 @@ class AgreementPaths:
         text = (f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
                 if e is not None else reason)
         self.rel.progress.set_reason(text)
-        w = seq << 32 | _R
+        w = seq << 32 | REFUSED
         m[self.cb + (seq & CALLS_MASK)] = w
         if self.shr is not None:
             self.shr[self.shb + (seq & HOST_MASK)] = w
@@ -359,16 +359,12 @@ class AgreementPaths:
         is dropped): the members waiting inside it complete. True where it did; False for a
         call it cannot make in another's place (then messages of the call may be left in the
         communicator, and the group starts afresh)."""
-        from ._reliability.agreement import dtype_of
-
-        if spec.sized or spec.code == 0:
+        if not standable(spec):
             return False
         t = self.plain()
         if spec.code == BARRIER:
             t.barrier(False)
             return True
-        if not spec.dtype:   # a call without arrays (an object collective, creating or destroying
-            return False     # a group): not one a rank can make in another's place
         g = self.group
         n, me = g.size, g.rank
         dt = dtype_of(spec.dtype)
@@ -563,32 +559,17 @@ def _code(name):
 def _clean(specs, refused):
     """Whether the calls of one sequence number leave no message in the communicator (then the
     group needs no fresh start), from the descriptions ``specs`` (PeerSpec) of the calls of the
-    members that entered it (one for each signature among them) and whether a member refused it (that member's stand-in makes its part). Every
-    rank that decides has all the descriptions, so all decide alike (members that kept the old
+    members that entered it (one for each signature among them) and whether a member refused it
+    (that member's stand-in makes its part). Every rank that decides has all the descriptions, so all decide alike (members that kept the old
     communicator where others started afresh would return another call's bytes)."""
     if not specs:
         return True   # no member entered the call
     a = specs[0]
     if any(sp.started and not sp.gpu for sp in specs):   # (a started MPI request may stay
         return False                                    # pending; a blocking stand-in never matches it)
-    if not all(sp.words() == a.words() or _same_bytes(a, sp) for sp in specs[1:]):
+    if not all(sp.words() == a.words() or same_bytes(a, sp) for sp in specs[1:]):
         return False
-    # a refusing member stands in with scratch arrays: not for sizes of each rank's own, nor
-    # for a call without arrays (an object collective, creating a group) but a barrier
-    return not refused or (not a.sized and a.code != 0 and (a.code == BARRIER or bool(a.dtype)))
-
-
-def _same_bytes(a, b):
-    """True when two calls differ only in what MPI does not see (dtype of the same size, op):
-    then every message of the call was matched, and the communicator needs no fresh start."""
-    from ._reliability.agreement import dtype_of
-
-    wa, wb = a.words(), b.words()
-    try:
-        sa, sb = dtype_of(a.dtype).itemsize, dtype_of(b.dtype).itemsize
-    except Exception:
-        return False
-    return wa[0] == wb[0] and wa[2] == wb[2] and wa[4:] == wb[4:] and sa == sb
+    return not refused or standable(a)   # (a refusing member stands in with scratch arrays)
 
 
 def _peer_error(reason):

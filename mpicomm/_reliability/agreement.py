@@ -320,16 +320,6 @@ def wait_rows(progress, members, slots, done, timeout=None):
         time.sleep(0.002)
 
 
-def dtype_of(name):
-    """The NumPy dtype named ``name`` (bfloat16 from ml_dtypes)."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-
-
 def set_checking(on, group=None):
     """Turn the agreement check of ``group`` (None: the world) off (``on`` False) or back
     on, as ``init(check=False)`` leaves it: for the bench's on/off comparison in one run."""

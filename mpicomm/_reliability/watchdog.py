@@ -329,17 +329,15 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             return False
         if not bad:
             return False
-        from .._callspec import PeerSpec
+        from .._callspec import PeerSpec, same_bytes
 
         me_spec = disp.spec_for(seq)
         specs = self._peer_specs(g, disp, seq, bad)
         if me_spec is not None:
-            from .._dispatch_checks import _same_bytes
-
             # a member whose call moves the same bytes (an op or a dtype of one size apart) does
             # not keep this call from completing (a slow member may): the comparison after it
             # reports the difference; the timeout watches the wait
-            bad = [t for t in bad if specs.get(t[1]) is None or not _same_bytes(me_spec, PeerSpec(specs[t[1]]))]
+            bad = [t for t in bad if specs.get(t[1]) is None or not same_bytes(me_spec, PeerSpec(specs[t[1]]))]
             if not bad:
                 return False
         calls = [f"rank {self.progress.wrank}: {me_spec.describe() if me_spec else NAMES.get(int(m[b]) & 15, '?')}"]
