@@ -36,11 +36,12 @@ _ROWS = (("int8",        False, False, False, "INT8_T",            ("NCCL_INT8",
 
 SUPPORTED = ", ".join(r[0] for r in _ROWS)
 
+FLOAT_NAMES = tuple(r[0] for r in _ROWS if r[1] or r[2])   # floating and complex
+
 
 def dtype_of(name):
     """The NumPy dtype named ``name`` (a row's name; bfloat16 from ml_dtypes)."""
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-FLOAT_NAMES = tuple(r[0] for r in _ROWS if r[1] or r[2])   # floating and complex
 
 
 class DType:
