@@ -53,11 +53,29 @@ def as_op(op):
         raise invalid("op", op, ALLOWED_OPS) from None
 
 
+# bool, as torch.distributed reduces it (ProcessGroupNCCL: SUM -> MAX, PROD -> MIN on
+# ncclUint8): SUM and MAX are logical OR, PROD and MIN logical AND. Its elements travel as
+# uint8 bytes 0 and 1, whose MAX is OR and MIN is AND on every transport (MPI's UINT8_T,
+# NCCL's ncclUint8, NumPy's maximum/minimum on the shared-memory path).
+BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN,
+            ReduceOp.MAX: ReduceOp.MAX}
+
+
+def wire_op(op, row):
+    """The op a transport runs for ``op`` (checked by check_op_dtype) on dtype row ``row``."""
+    return BOOL_OPS[op] if row.boolean else op
+
+
 def mpi_ops():
     """ReduceOp -> mpi4py op."""
     from mpi4py import MPI
 
     return {op: getattr(MPI, m) for op, m, _, _ in _ROWS}
+
+
+def bool_ops(table):
+    """``table`` (ReduceOp -> a transport's op) for bool rows: each op as wire_op runs it."""
+    return {op: table[w] for op, w in BOOL_OPS.items()}
 
 
 _NAN_OPS = {}
@@ -97,14 +115,25 @@ def nccl_ops(nccl):
     return {op: getattr(nccl, name, value) for op, _, (name, value), _ in _ROWS}
 
 
-def check_op_dtype(op, row):
-    """Raise if ``op`` is not defined for dtype row ``row`` (mpicomm._dtypes.DType).
+def check_op_dtype(op, row, nccl=False):
+    """Raise if ``op`` is not defined for dtype row ``row`` (mpicomm._dtypes.DType), on
+    the NCCL transport where ``nccl`` (GPU arrays), on MPI otherwise.
 
     AVG needs a floating or complex dtype (an integer mean would truncate silently);
     MIN and MAX have no meaning for complex numbers, and PROD of complex numbers is
     not element-wise over (real, imag) so the NCCL backend could not do it: complex
-    dtypes allow SUM and AVG only, on both backends.
+    dtypes allow SUM and AVG only, on both backends. bool allows SUM and MAX (logical
+    OR), PROD and MIN (logical AND), as torch.distributed does; no AVG. NCCL has no
+    16-bit integer type: int16 and uint16 GPU arrays move as bytes but are not reduced.
     """
+    if nccl and not row.nccl_reduces:
+        raise invalid("x.dtype", row.name, f"a dtype NCCL reduces for op={op.value}: NCCL has no 16-bit integer "
+                      "reduction: cast to int32 (moving int16/uint16 GPU arrays works)")
+    if row.boolean:
+        if op is ReduceOp.AVG:
+            raise invalid("op", op.value, "SUM or MAX (logical OR), PROD or MIN (logical AND) for dtype bool; "
+                          "AVG needs a floating dtype (cast first)")
+        return
     if op is ReduceOp.AVG and not (row.floating or row.complex):
         raise invalid("op", op.value, f"SUM, PROD, MIN or MAX for integer dtype {row.name}; "
                       "AVG needs a floating dtype (cast first, or reduce with SUM and divide)")

@@ -83,11 +83,12 @@ def as_host(x, arg="x"):
 
 class HostSteps:
     """The steps every prepared call of the MPI transport takes; a transport sets ``comm``,
-    ``rank``, ``size`` and the op tables ``_mop`` and ``_fop``."""
+    ``rank``, ``size`` and the op tables ``_mop``, ``_fop`` and ``_bop``."""
 
     def _ops(self, row):
-        """ReduceOp -> MPI op for dtype row ``row``: on floats MIN/MAX propagate NaN."""
-        return self._fop if row.floating or row.upcast else self._mop
+        """ReduceOp -> MPI op for dtype row ``row``: on floats MIN/MAX propagate NaN; on bool
+        (moved as uint8) SUM/MAX are MAX (logical OR) and PROD/MIN are MIN (logical AND)."""
+        return self._fop if row.floating or row.upcast else (self._bop if row.boolean else self._mop)
 
     def _root(self, root, arg="root"):
         if type(root) is not int or not 0 <= root < self.size:

@@ -16,7 +16,7 @@ import time
 
 from .._arrays import is_gpu_array, is_torch
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, GATHER, NAMES, RECV, REDUCE, REDUCE_SCATTER,
-                    SCATTER, SENDRECV, check_op_dtype, nccl_ops)
+                    SCATTER, SENDRECV, check_op_dtype, nccl_ops, wire_op)
 from .._timing import TIMING
 from .._topology import select_gpu
 from .. import _native
@@ -227,8 +227,9 @@ class NCCLTransport(GPUArrays, StagedTags):
         raises the errors that name the argument.
         """
         kind, row, a = self._family(x)
-        if op is not None:
-            check_op_dtype(op, row)
+        if op is not None:   # a reduction: NCCL's op (bool: SUM/MAX -> MAX, PROD/MIN -> MIN) goes first
+            check_op_dtype(op, row, nccl=True)
+            extra = (self._nop[wire_op(op, row)], *extra)
         shape = tuple(a.shape)
         oshape = tuple(oshape_of(shape))
         bcast = code == BROADCAST
@@ -345,7 +346,7 @@ class NCCLTransport(GPUArrays, StagedTags):
         return run
 
     def _prepare_all_reduce(self, x, out, op, async_op, stream):
-        return self._prepare_call(ALL_REDUCE, x, out, op, async_op, stream, "allReduce", (self._nop[op],),
+        return self._prepare_call(ALL_REDUCE, x, out, op, async_op, stream, "allReduce", (),
                                   lambda s: s, "all_reduce keeps the shape", op=op)
 
     def _prepare_reduce_scatter(self, x, out, op, async_op, stream):
@@ -357,7 +358,7 @@ class NCCLTransport(GPUArrays, StagedTags):
                               "(reduce_scatter splits axis 0 into one chunk per rank)")
             return (s[0] // n,) + s[1:]
         return self._prepare_call(REDUCE_SCATTER, x, out, op, async_op, stream, "reduceScatter",
-                                  (self._nop[op],), oshape, f"reduce_scatter gives each rank 1/{n} of axis 0",
+                                  (), oshape, f"reduce_scatter gives each rank 1/{n} of axis 0",
                                   count_div=n, op=op)
 
     def _prepare_all_gather(self, x, out, _, async_op, stream):
@@ -374,7 +375,7 @@ class NCCLTransport(GPUArrays, StagedTags):
     def _prepare_reduce(self, x, out, arg, async_op, stream):
         op, root = arg
         root = self.host._root(root)
-        return self._prepare_call(REDUCE, x, out, (op, root), async_op, stream, "reduce", (self._nop[op], root),
+        return self._prepare_call(REDUCE, x, out, (op, root), async_op, stream, "reduce", (root,),
                                   lambda s: s, "reduce keeps the shape", op=op)
 
     def _prepare_all_to_all(self, x, out, _, async_op, stream):
@@ -445,8 +446,8 @@ class NCCLTransport(GPUArrays, StagedTags):
             raise invalid("x.shape", (), f"an array with an axis 0 ({name} splits or joins along it)")
         nop = None
         if code == REDUCE_SCATTER:
-            check_op_dtype(base, row)
-            nop = self._nop[base]
+            check_op_dtype(base, row, nccl=True)
+            nop = self._nop[wire_op(base, row)]
         root = self.host._root(base) if code in (GATHER, SCATTER) else None
         o0 = int(out.shape[0]) if code == ALL_TO_ALL and out is not None and out is not x else None
         lay = LAYOUTS[code](shape, self.rank, self.size, root, sizes, outs, o0)

@@ -68,7 +68,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveMismatchError
 from .._callspec import PeerSpec, head_words
-from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_ops, nan_mpi_ops
+from .._ops import UFUNC as _UFUNC, ReduceOp, bool_ops, mpi_ops, nan_mpi_ops, wire_op
 from .shm_config import AUTO_PIECES, COLLECTIVES, WHOLE, piece_bytes
 
 # the tuner (ShmGroup._tune)
@@ -82,6 +82,7 @@ _SIGW = 8                 # then the signature table: 2 halves x n rows of _SIGW
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
 _MPI_OPS = mpi_ops()
+_BOOL_OPS = bool_ops(_MPI_OPS)   # bool (moved as uint8): SUM/MAX -> MAX (OR), PROD/MIN -> MIN (AND)
 
 
 def signature(code, x, op=None, root=None):
@@ -299,7 +300,8 @@ class ShmGroup:
         """Open MPI's all_reduce over the group (a generator with one barrier before it, where
         the signatures are compared)."""
         yield
-        mop = (nan_mpi_ops() if info.floating else _MPI_OPS)[op]   # MIN/MAX propagate NaN, as here
+        mop = (nan_mpi_ops() if info.floating else _BOOL_OPS if info.boolean else _MPI_OPS)[op]   # MIN/MAX
+        # propagate NaN, as here; bool reduces as np.maximum/np.minimum do here (wire_op)
         if o is x:
             self.comm.Allreduce(MPI.IN_PLACE, [o, info.mpi], mop)
         else:
@@ -371,7 +373,7 @@ class ShmGroup:
     def _all_reduce(self, xf, of, info, op, pe, isz):
         n, r = self.size, self.rank
         dt = xf.dtype
-        ufunc = _UFUNC[op]
+        ufunc = _UFUNC[wire_op(op, info)]   # bool: np.maximum (OR) or np.minimum (AND)
         c = xf.size
         a = _ALIGN // isz if isz <= _ALIGN else 1
         for start in range(0, c, pe):
@@ -436,7 +438,7 @@ class ShmGroup:
     def _reduce_scatter(self, xf, of, info, op, pe, isz):
         n, r = self.size, self.rank
         dt = xf.dtype
-        ufunc = _UFUNC[op]
+        ufunc = _UFUNC[wire_op(op, info)]   # bool: np.maximum (OR) or np.minimum (AND)
         cc = xf.size // n
         a = _ALIGN // isz if isz <= _ALIGN else 1
         for start in range(0, cc, pe):
