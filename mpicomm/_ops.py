@@ -78,7 +78,25 @@ def bool_ops(table):
     return {op: table[w] for op, w in BOOL_OPS.items()}
 
 
-_NAN_OPS = {}
+def _user_op(ufunc):
+    """An MPI op that reduces with NumPy's ``ufunc`` in the datatype's own NumPy dtype."""
+    from mpi4py import MPI
+    from mpi4py.util.dtlib import to_numpy_dtype
+
+    types = {}
+
+    def fn(inbuf, inoutbuf, datatype):
+        dt = types.get(datatype.handle)
+        if dt is None:
+            dt = types[datatype.handle] = to_numpy_dtype(datatype)
+        b = np.frombuffer(inoutbuf, dt)
+        with np.errstate(invalid="ignore", over="ignore"):   # a NaN operand, a wrap: not errors here
+            ufunc(np.frombuffer(inbuf, dt), b, out=b)
+
+    return MPI.Op.Create(fn, commute=True)
+
+
+_TABLES = {}
 
 
 def nan_mpi_ops():
@@ -86,28 +104,33 @@ def nan_mpi_ops():
     (a NaN in any rank's element makes that element NaN, as NumPy and the shared-memory path
     do; MPI's own MIN/MAX leave NaN to the implementation: Open MPI keeps or drops it by
     the order it combines the ranks in), the others MPI's own."""
-    from mpi4py import MPI
+    t = _TABLES.get("nan")
+    if t is None:
+        t = dict(mpi_ops())
+        t[ReduceOp.MIN] = _user_op(np.minimum)
+        t[ReduceOp.MAX] = _user_op(np.maximum)
+        _TABLES["nan"] = t
+    return t
 
-    if not _NAN_OPS:
-        from mpi4py.util.dtlib import to_numpy_dtype
 
-        def make(ufunc):
-            types = {}
-
-            def fn(inbuf, inoutbuf, datatype):
-                dt = types.get(datatype.handle)
-                if dt is None:
-                    dt = types[datatype.handle] = to_numpy_dtype(datatype)
-                b = np.frombuffer(inoutbuf, dt)
-                with np.errstate(invalid="ignore"):   # a NaN operand is not an error here
-                    ufunc(np.frombuffer(inbuf, dt), b, out=b)
-
-            return MPI.Op.Create(fn, commute=True)
-
-        _NAN_OPS.update(mpi_ops())
-        _NAN_OPS[ReduceOp.MIN] = make(np.minimum)
-        _NAN_OPS[ReduceOp.MAX] = make(np.maximum)
-    return _NAN_OPS
+def mpi_table(row):
+    """ReduceOp -> mpi4py op for dtype row ``row`` (mpicomm._dtypes.DType), the one choice of
+    every MPI reduction: floating dtypes nan_mpi_ops(); bool (moved as uint8) bool_ops, MAX for
+    OR and MIN for AND; 8- and 16-bit integers SUM as np.add, wrapping around as NumPy's
+    arithmetic (Open MPI's own SUM of them saturates from 64 elements on, where its AVX code
+    runs: open-mpi/ompi#8045, closed as wontfix); the others MPI's own ops."""
+    if row.floating or row.upcast:
+        return nan_mpi_ops()
+    key = "bool" if row.boolean else ("narrow" if row.itemsize <= 2 and not row.complex else "plain")
+    t = _TABLES.get(key)
+    if t is None:
+        t = mpi_ops()
+        if key == "bool":
+            t = bool_ops(t)
+        elif key == "narrow":
+            t[ReduceOp.SUM] = _user_op(np.add)
+        _TABLES[key] = t
+    return t
 
 
 def nccl_ops(nccl):

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from .._arrays import check_writable, host_out, to_host, write_back
 from .._dtypes import of_numpy
 from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE, REDUCE_SCATTER, ReduceOp,
-                    bool_ops, check_op_dtype, mpi_ops, nan_mpi_ops)
+                    check_op_dtype)
 from ..errors import invalid
 from . import bigcount
 from .base import IN_PLACE, NEW, OUT, Backend, DoneWork, Prepared, role_of
@@ -49,9 +49,6 @@ class MPITransport(SizedCalls, PointToPoint):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._mop = mpi_ops()
-        self._fop = nan_mpi_ops()   # floating dtypes: MIN/MAX propagate NaN (np.minimum/np.maximum)
-        self._bop = bool_ops(self._mop)   # bool: SUM/MAX are OR (MAX of 0/1), PROD/MIN are AND (MIN)
         self.shm = ShmPath(comm)   # the one-host shared-memory strategy (opened at first use)
         self._prepare = {ALL_REDUCE: self._prepare_all_reduce, ALL_GATHER: self._prepare_all_gather,
                          REDUCE_SCATTER: self._prepare_reduce_scatter, BROADCAST: self._prepare_broadcast,

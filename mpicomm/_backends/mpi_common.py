@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._arrays import check_out, check_writable, host_out, overlap_error, same_memory, to_host, write_back
+from .._ops import mpi_table
 from ..errors import invalid
 from .base import IN_PLACE, NEW, Work
 
@@ -83,12 +84,12 @@ def as_host(x, arg="x"):
 
 class HostSteps:
     """The steps every prepared call of the MPI transport takes; a transport sets ``comm``,
-    ``rank``, ``size`` and the op tables ``_mop``, ``_fop`` and ``_bop``."""
+    ``rank`` and ``size``."""
 
-    def _ops(self, row):
-        """ReduceOp -> MPI op for dtype row ``row``: on floats MIN/MAX propagate NaN; on bool
-        (moved as uint8) SUM/MAX are MAX (logical OR) and PROD/MIN are MIN (logical AND)."""
-        return self._fop if row.floating or row.upcast else (self._bop if row.boolean else self._mop)
+    @staticmethod
+    def _ops(row):
+        """ReduceOp -> MPI op for dtype row ``row`` (mpicomm._ops.mpi_table)."""
+        return mpi_table(row)
 
     def _root(self, root, arg="root"):
         if type(root) is not int or not 0 <= root < self.size:

@@ -68,7 +68,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveMismatchError
 from .._callspec import PeerSpec, head_words
-from .._ops import UFUNC as _UFUNC, ReduceOp, bool_ops, mpi_ops, nan_mpi_ops, wire_op
+from .._ops import UFUNC as _UFUNC, ReduceOp, mpi_table, wire_op
 from .shm_config import AUTO_PIECES, COLLECTIVES, WHOLE, piece_bytes
 
 # the tuner (ShmGroup._tune)
@@ -81,8 +81,6 @@ _TUNER = 16               # bytes after the two buffers of rank 0's segment: the
 _SIGW = 8                 # then the signature table: 2 halves x n rows of _SIGW int64 (a cache line)
 _ALIGN = 64               # slot alignment: a cache line, so ranks never share one
 _F32 = np.dtype(np.float32)
-_MPI_OPS = mpi_ops()
-_BOOL_OPS = bool_ops(_MPI_OPS)   # bool (moved as uint8): SUM/MAX -> MAX (OR), PROD/MIN -> MIN (AND)
 
 
 def signature(code, x, op=None, root=None):
@@ -300,8 +298,7 @@ class ShmGroup:
         """Open MPI's all_reduce over the group (a generator with one barrier before it, where
         the signatures are compared)."""
         yield
-        mop = (nan_mpi_ops() if info.floating else _BOOL_OPS if info.boolean else _MPI_OPS)[op]   # MIN/MAX
-        # propagate NaN, as here; bool reduces as np.maximum/np.minimum do here (wire_op)
+        mop = mpi_table(info)[op]   # the MPI ops whose results are this path's (NaN, bool, wrap-around)
         if o is x:
             self.comm.Allreduce(MPI.IN_PLACE, [o, info.mpi], mop)
         else:
