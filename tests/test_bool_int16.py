@@ -107,6 +107,25 @@ def test_all_reduce(comm, sub, op, dt, which, async_op, request):
     same(mpicomm.all_reduce(xs[me], op.value, group=g), want)
 
 
+@pytest.mark.parametrize("count", [7, 64, 1000, 70_000])
+@pytest.mark.parametrize("dt", [np.int8, np.uint8, np.int16, np.uint16], ids=IDS)
+def test_narrow_integer_sum_wraps_around(comm, sub, dt, count, request):
+    """SUM of 8- and 16-bit integers wraps around as NumPy's arithmetic at every count (Open
+    MPI's own SUM saturates from 64 elements on, where its AVX code runs), in all_reduce,
+    reduce and reduce_scatter."""
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    xs = [vals(r, key, (n * count,), dt) for r in range(n)]
+    want = expect(xs, ReduceOp.SUM)
+    same(mpicomm.all_reduce(xs[me]), want)
+    got = mpicomm.reduce(xs[me], root=n - 1)
+    if me == n - 1:
+        same(got, want)
+    same(mpicomm.reduce_scatter(xs[me]), want[me * count:(me + 1) * count])
+    if n > 1:   # the data wraps: a saturating sum would differ
+        assert not np.array_equal(want, np.clip(np.sum(xs, axis=0), np.iinfo(dt).min, np.iinfo(dt).max))
+
+
 @pytest.mark.parametrize("which", GROUPS)
 @pytest.mark.parametrize("dt", DTYPES, ids=IDS)
 def test_reduce_to_every_root(comm, sub, dt, which, request):

@@ -151,6 +151,134 @@ def test_collectives_every_dtype_and_op(cp, which, async_op, request):
     assert checked == 33   # 4 integer dtypes x 4 ops, 3 floating x 5, complex64 x 2
 
 
+# ----------------------------------------------------------------------- bool, int16, uint16
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("which", ["world", "sub"])
+def test_bool_reduces_and_int16_moves(cp, which, async_op, request):
+    """bool reduces as torch's ProcessGroupNCCL does it, on ncclUint8: SUM/MAX with ncclMax
+    (logical OR), PROD/MIN with ncclMin (logical AND); results are checked byte by byte (a
+    ncclSum would leave 2s). int16 and uint16 move as two NCCL bytes per element through
+    every data-moving collective, even and uneven. Data and expectations: tests/test_bool_int16.py."""
+    from test_bool_int16 import expect, same, vals
+
+    g, ranks, n, me = ctx(which)
+    if me is None:
+        return
+    key = request.node.name
+    for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+        xs = [vals(w, key + op.value, (2 * n, 3), bool) for w in ranks]
+        full = expect(xs, op)
+        x = cp.asarray(xs[me])
+        same(done(mpicomm.all_reduce(x, op, group=g, async_op=async_op), async_op).get(), full)
+        same(done(mpicomm.reduce_scatter(x, op, group=g, async_op=async_op), async_op).get(), full[2 * me:2 * me + 2])
+        red = done(mpicomm.reduce(x, op, root=n - 1, group=g, async_op=async_op), async_op)
+        if me == n - 1:
+            same(red.get(), full)
+        else:
+            assert red is None
+        same(x.get(), xs[me])
+        sizes = sizes_of(n, 1)
+        zs = [vals(w, key + op.value + "v", (sum(sizes), 2), bool) for w in ranks]
+        lo = sum(sizes[:me])
+        got = done(mpicomm.reduce_scatter(cp.asarray(zs[me]), op, group=g, sizes=sizes, async_op=async_op), async_op)
+        same(got.get(), expect(zs, op)[lo:lo + sizes[me]])
+        y = cp.asarray(xs[me])   # in place
+        assert done(mpicomm.all_reduce(y, op, out=y, group=g, async_op=async_op), async_op) is y
+        same(y.get(), full)
+    for dt in (np.int16, np.uint16, np.bool_):
+        k = f"{key}{np.dtype(dt).name}"
+        xs = [vals(w, k, (2 * n, 3), dt) for w in ranks]
+        x = cp.asarray(xs[me])
+        same(done(mpicomm.all_gather(x, group=g, async_op=async_op), async_op).get(), np.concatenate(xs))
+        same(done(mpicomm.all_to_all(x, group=g, async_op=async_op), async_op).get(),
+             np.concatenate([a[2 * me:2 * me + 2] for a in xs]))
+        sizes = sizes_of(n)
+        us = [vals(ranks[q], k + "u", (sizes[q], 3), dt) for q in range(n)]
+        same(done(mpicomm.all_gather(cp.asarray(us[me]), group=g, sizes=sizes, async_op=async_op), async_op).get(),
+             np.concatenate(us))
+        S = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+        ys = [vals(ranks[i], k + "a", (sum(S[i]), 2), dt) for i in range(n)]
+        got = done(mpicomm.all_to_all(cp.asarray(ys[me]), group=g, in_splits=S[me], out_splits=[S[i][me] for i in range(n)],
+                                      async_op=async_op), async_op)
+        same(got.get(), np.concatenate([ys[i][sum(S[i][:me]):sum(S[i][:me + 1])] for i in range(n)]))
+        for root in range(n):
+            b = cp.asarray(xs[me])
+            assert done(mpicomm.broadcast(b, root=root, group=g, async_op=async_op), async_op) is b
+            same(b.get(), xs[root])
+            got = done(mpicomm.gather(x, root, group=g, async_op=async_op), async_op)
+            if me == root:
+                same(got.get(), np.concatenate(xs))
+            else:
+                assert got is None
+            got = done(mpicomm.gather(cp.asarray(us[me]), root, group=g, sizes=sizes, async_op=async_op), async_op)
+            if me == root:
+                same(got.get(), np.concatenate(us))
+            full = vals(ranks[root], k + f"s{root}", (sum(sizes), 3), dt)
+            offs = np.cumsum([0] + sizes)
+            got = done(mpicomm.scatter(cp.asarray(full) if me == root else None, root, group=g, sizes=sizes,
+                                       out=None if me == root else cp.zeros((sizes[me], 3), dt),
+                                       async_op=async_op), async_op)
+            same(got.get(), full[offs[me]:offs[me + 1]])
+            even = vals(ranks[root], k + f"e{root}", (2 * n, 3), dt)
+            got = done(mpicomm.scatter(cp.asarray(even) if me == root else None, root, group=g, sizes="auto",
+                                       async_op=async_op), async_op)
+            same(got.get(), even[2 * me:2 * me + 2])
+
+
+def test_bool_and_int16_point_to_point(cp, request):
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    from test_bool_int16 import same, vals
+
+    for dt in (np.int16, np.uint16, np.bool_):
+        key = f"{request.node.name}{np.dtype(dt).name}"
+        x = cp.asarray(vals(r, key, (101, 3), dt))
+        want = vals(prv, key, (101, 3), dt)
+        if n > 1:
+            out = cp.zeros((101, 3), dt)
+            if r % 2 == 0:
+                mpicomm.send(x, nxt)
+                mpicomm.recv(out, prv)
+            else:
+                mpicomm.recv(out, prv)
+                mpicomm.send(x, nxt)
+            same(out.get(), want)
+            out = cp.zeros((101, 3), dt)   # tagged: staged through host memory
+            w = mpicomm.send(x, nxt, tag=4, async_op=True)
+            mpicomm.recv(out, prv, tag=4)
+            w.wait()
+            same(out.get(), want)
+        same(mpicomm.sendrecv(x, nxt, src=prv).get(), want)
+
+
+def test_int16_reductions_and_bool_avg_refused_on_every_rank(cp, request):
+    """NCCL has no 16-bit integer type: GPU int16/uint16 reductions are refused on every rank,
+    naming x.dtype, the value and what to do; bool's AVG too (as on MPI). Host int16 arrays on
+    the NCCL backend reduce (over MPI). After the refusals the group works, in step."""
+    from test_bool_int16 import expect, same, vals
+    from test_errors import raises_everywhere
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    for dt in (np.int16, np.uint16):
+        name = np.dtype(dt).name
+        x = cp.asarray(vals(r, key + name, (2 * n, 3), dt))
+        for op in ("sum", "max"):
+            for f in (lambda: mpicomm.all_reduce(x, op), lambda: mpicomm.reduce(x, op, root=n - 1),
+                      lambda: mpicomm.reduce_scatter(x, op), lambda: mpicomm.all_reduce(x, op, async_op=True),
+                      lambda: mpicomm.reduce_scatter(x, op, sizes=[2] * n)):
+                raises_everywhere(InvalidArgumentError, f, f"invalid x.dtype='{name}'", f"op={op}",
+                                  "NCCL has no 16-bit integer reduction: cast to int32")
+        hs = [vals(q, key + name + "h", (2 * n, 3), dt) for q in range(n)]
+        same(mpicomm.all_reduce(hs[r]), expect(hs, ReduceOp.SUM))   # a host array: MPI reduces it
+    b = cp.asarray(vals(r, key + "b", (2 * n,), bool))
+    for f in (lambda: mpicomm.all_reduce(b, "avg"), lambda: mpicomm.reduce_scatter(b, ReduceOp.AVG),
+              lambda: mpicomm.reduce(b, "mean", root=0)):
+        raises_everywhere(InvalidArgumentError, f, "invalid op='avg'", "PROD or MIN (logical AND) for dtype bool")
+    xs = [vals(q, key + "ok", (2 * n, 3), bool) for q in range(n)]
+    same(mpicomm.all_reduce(cp.asarray(xs[r]), "min").get(), expect(xs, ReduceOp.MIN))
+
+
 # ----------------------------------------------------------------------- roles
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])   # (async: the general path)
 def test_roles_out_in_place_and_nccl_slots(cp, async_op, request):

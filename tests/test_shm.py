@@ -486,3 +486,55 @@ def test_threshold_settings():
     assert g.cands is None and g.piece == 8192
     with pytest.raises(InvalidArgumentError, match="MPICOMM_SHM_PIECE"):
         _cfg.piece_bytes({"MPICOMM_SHM_PIECE": "x"})
+
+
+# --------------------------------------------------------------------------- bool, int16, uint16
+
+@pytest.mark.parametrize("dt", [np.bool_, np.int16, np.uint16, np.int8], ids=lambda d: np.dtype(d).name)
+def test_bool_int16_on_the_shared_memory_path(groups, dt):
+    """bool reduces as logical OR (SUM, MAX) and AND (PROD, MIN), and the 8/16-bit integers
+    wrap around as NumPy's arithmetic, on the path (np.maximum/np.minimum for bool) and on
+    the tuner's Open MPI choice alike (mpicomm._ops.mpi_table); the data movers too.
+    Data and expectations: tests/test_bool_int16.py (whole-range integers, random bools)."""
+    from test_bool_int16 import expect, same, vals
+
+    for group in groups:
+        m = small_pieces(group)
+        world, n, me = mpicomm._state.get_group(group).ranks, m.size, m.rank
+        for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+            for shape in [(7,), (3001,), (33, 65)]:
+                key = f"bi{shape}{op}"
+                arrs = [vals(w, key, shape, dt) for w in world]
+                before = calls(group, "all_reduce")
+                same(mpicomm.all_reduce(arrs[me], op, group=group), expect(arrs, op))
+                expect_path(group, "all_reduce", before, arrs[me].nbytes >= THRESHOLD)
+            for rows in (1, 1501):
+                arrs = [vals(w, f"birs{rows}{op}", (rows * n, 2), dt) for w in world]
+                before = calls(group, "reduce_scatter")
+                same(mpicomm.reduce_scatter(arrs[me], op, group=group), expect(arrs, op)[me * rows:(me + 1) * rows])
+                expect_path(group, "reduce_scatter", before, arrs[me].nbytes >= THRESHOLD)
+        arrs = [vals(w, "biag", (700, 3), dt) for w in world]
+        before = calls(group, "all_gather")
+        same(mpicomm.all_gather(arrs[me], group=group), np.concatenate(arrs))
+        expect_path(group, "all_gather", before)
+        b = arrs[me].copy()
+        before = calls(group, "broadcast")
+        assert mpicomm.broadcast(b, root=n - 1, group=group) is b
+        expect_path(group, "broadcast", before)
+        same(b, arrs[-1])
+        # the tuner's third choice (Open MPI's all_reduce) is offered for these dtypes: both
+        # choices are taken, and every result is the expectation
+        g = m.group
+        if g is None:
+            continue
+        try:
+            g.cands, g.piece = (PIECE, 4 * PIECE), PIECE
+            seen = set()
+            for i in range(6 * _shm.EXPLORE):
+                op = (ReduceOp.SUM, ReduceOp.PROD)[i % 2]
+                arrs = [vals(w, f"bitune{i % 4}", (9_000,), dt) for w in world]
+                seen.add(g.ordinary)
+                same(mpicomm.all_reduce(arrs[me], op, group=group), expect(arrs, op))
+            assert seen == {False, True}, seen
+        finally:
+            g.set_piece(PIECE)
