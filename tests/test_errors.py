@@ -106,9 +106,26 @@ def test_order_ops_on_complex(comm, rng, xp, op):
 
 
 def test_unsupported_dtype(comm, rng):
-    for x in (np.array([True, False]), np.arange(3, dtype=np.int16), np.array(["a"])):
-        raises_everywhere(InvalidArgumentError, lambda: comm.all_reduce(x), "invalid x.dtype=",
-                          "expected one of int8, uint8")
+    """Strings, Python objects, float128 and datetimes are refused, naming the supported dtypes
+    (bool, int16 and uint16 are supported: tests/test_bool_int16.py)."""
+    xs = [np.array(["a", "bc"]), np.array([{}, 1], dtype=object), np.array(["2024-01-01"], dtype="datetime64[D]")]
+    if np.dtype(np.longdouble).itemsize > 8:   # float128 (x86) or float96, not a float64 alias
+        xs.append(np.ones(3, np.longdouble))
+    for x in xs:
+        name = x.dtype.name   # str64, object, datetime64[D], float128
+        for f in (lambda: comm.all_reduce(x), lambda: comm.broadcast(x, root=0)):
+            raises_everywhere(InvalidArgumentError, f, f"invalid x.dtype='{name}'",
+                              "expected one of int8, uint8, int16, uint16, int32", "complex128, bool")
+
+
+def test_avg_on_bool(comm, rng, xp):
+    """bool reduces as logical OR (SUM, MAX) and AND (PROD, MIN); AVG is refused, as torch does."""
+    n = comm.get_group_size()
+    x = xp.asarray(rng.integers(0, 2, 2 * n).astype(bool))
+    for f in (lambda: comm.all_reduce(x, op=ReduceOp.AVG), lambda: comm.reduce(x, op="avg"),
+              lambda: comm.reduce_scatter(x, op="mean")):
+        raises_everywhere(InvalidArgumentError, f, "invalid op='avg'", "expected SUM or MAX (logical OR), "
+                          "PROD or MIN (logical AND) for dtype bool", "AVG needs a floating dtype")
 
 
 def test_other_byte_order_says_how_to_convert(comm, rng):

@@ -1,12 +1,14 @@
 """Cases ported onto mpicomm's API from the test suites of the libraries users come from.
 
 - mpi4py's test/test_cco_buf.py (TestCCOBufBase, TestCCOBufInplaceBase): Bcast, Allgather,
-  Alltoall, Reduce and Allreduce on array.array and NumPy buffers of typecodes i, l, f, d,
-  for every root, with counts that depend on the root (zero included), and their in-place
-  forms (MPI.IN_PLACE: Allgather, Reduce on the root, Allreduce). mpi4py fills buffers with
-  constants and range(size); here each rank's data is random and seeded by its rank, and
-  the expectation is computed from every rank's data. mpi4py's int16 ('h') is not a dtype
-  mpicomm supports: it must be refused on every rank.
+  Alltoall, Reduce and Allreduce on array.array and NumPy buffers of typecodes h (int16),
+  i, l, f, d and, on NumPy only (array.array has no bool), ? (bool: SUM and MAX are logical
+  OR, PROD and MIN logical AND, as torch.distributed reduces bool), for every root, with
+  counts that depend on the root (zero included), and their in-place forms (MPI.IN_PLACE:
+  Allgather, Reduce on the root, Allreduce). mpi4py fills buffers with constants and
+  range(size); here each rank's data is random and seeded by its rank, and the expectation
+  is computed from every rank's data. A typecode mpicomm does not support (long double 'g',
+  unicode 'u') must be refused on every rank.
 - torch.distributed's in-place tests (test_c10d_common / distributed_test): all_reduce in
   place, all_gather_into_tensor with the input a slice of the output, reduce_scatter_tensor
   into a slice of the input; and the *_object collectives on the objects torch uses (dicts,
@@ -25,7 +27,7 @@ from conftest import reversed_group
 
 pytestmark = pytest.mark.mpi
 
-TYPECODES = {"i": np.int32, "l": np.int64, "f": np.float32, "d": np.float64}
+TYPECODES = {"h": np.int16, "i": np.int32, "l": np.int64, "f": np.float32, "d": np.float64, "?": np.bool_}
 OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN]
 
 
@@ -38,6 +40,8 @@ def groups(comm):
 def vals(r, key, count, tc, op=ReduceOp.SUM):
     """Group rank r's values: small integers (sums and products exact in every typecode)."""
     g = np.random.default_rng([r, zlib.crc32(key.encode())])
+    if tc == "?":   # True and False, whatever the op
+        return g.integers(0, 2, count).astype(bool)
     v = g.choice([1, 2, -1], count) if op is ReduceOp.PROD else g.integers(-30, 31, count)
     return v.astype(TYPECODES[tc])
 
@@ -52,30 +56,36 @@ def as_np(kind, tc, a):
 
 def reduce_all(arrs, op):
     s = np.stack(arrs)
+    if s.dtype == np.bool_:   # logical OR (SUM, MAX) and AND (PROD, MIN)
+        return (np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and).reduce(s, axis=0)
     return {ReduceOp.SUM: s.sum(0), ReduceOp.PROD: s.prod(0), ReduceOp.MAX: s.max(0),
             ReduceOp.MIN: s.min(0)}[op].astype(arrs[0].dtype)
 
 
 KINDS = ["array", "numpy"]
+KIND_TC = [(k, tc) for k in KINDS for tc in TYPECODES if not (k == "array" and tc == "?")]   # no array('?')
+
+
+def other(tc, v):
+    """What a receiver's buffer starts as: -1 (mpi4py's), for bool the opposite of v."""
+    return ~v if tc == "?" else np.full(len(v), -1, TYPECODES[tc])
 
 
 # ----------------------------------------------------------- mpi4py: TestCCOBufBase
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_bcast(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
         for root in range(n):
             key = f"bc{g}{root}"
-            buf = make(kind, tc, vals(root, key, root, tc) if r == root else -np.ones(root, TYPECODES[tc]))
+            buf = make(kind, tc, vals(root, key, root, tc) if r == root else other(tc, vals(root, key, root, tc)))
             res = mpicomm.broadcast(buf, root=root, group=g)
             assert res is buf
             np.testing.assert_array_equal(as_np(kind, tc, buf), vals(root, key, root, tc))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_allgather(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
@@ -86,8 +96,7 @@ def test_allgather(groups, kind, tc):
             np.testing.assert_array_equal(np.asarray(res).reshape(-1), exp)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_alltoall(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
@@ -98,8 +107,7 @@ def test_alltoall(groups, kind, tc):
             np.testing.assert_array_equal(np.asarray(res).reshape(-1), exp)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_reduce(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
@@ -116,8 +124,7 @@ def test_reduce(groups, kind, tc):
                 np.testing.assert_array_equal(as_np(kind, tc, x), vals(r, key, n, tc, op))  # input kept
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_allreduce(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
@@ -130,25 +137,32 @@ def test_allreduce(groups, kind, tc):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_unsupported_typecode_refused_everywhere(comm, kind):
-    """mpi4py's 'h' (int16): mpicomm has no int16 (one dtype table); refused on every rank."""
-    x = array.array("h", [1, 2, 3]) if kind == "array" else np.array([1, 2, 3], np.int16)
-    with pytest.raises(InvalidArgumentError, match=r"int16"):
-        mpicomm.all_reduce(x)
-    with pytest.raises(InvalidArgumentError, match=r"int16"):
-        mpicomm.broadcast(x, root=0)
+    """A typecode mpicomm has no dtype for: unicode ('u', array.array) and long double ('g',
+    NumPy's float128 where it is wider than float64); refused on every rank, naming the
+    dtype and the supported ones (mpi4py's 'h' and '?' are ported above)."""
+    from test_errors import raises_everywhere
+
+    if kind == "array":
+        x = array.array("u", "abc")
+    elif np.dtype(np.longdouble).itemsize > 8:
+        x = np.array([1, 2, 3], np.longdouble)
+    else:  # pragma: no cover - long double is float64 here
+        pytest.skip("long double is float64 on this platform")
+    name = np.asarray(memoryview(x)).dtype.name if kind == "array" else x.dtype.name
+    for f in (lambda: mpicomm.all_reduce(x), lambda: mpicomm.broadcast(x, root=0)):
+        raises_everywhere(InvalidArgumentError, f, f"invalid x.dtype='{name}'", "int16, uint16", "bool")
 
 
 # ----------------------------------------------------------- mpi4py: TestCCOBufInplaceBase
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_allgather_in_place(groups, kind, tc):
     """Allgather(MPI.IN_PLACE, buf): this rank's part already in buf -> all_gather(part, out=buf)."""
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
         for count in range(1, 10):
             key = f"agi{g}{count}"
-            init = np.full(count * n, -1, TYPECODES[tc])
+            init = other(tc, np.concatenate([vals(j, key, count, tc) for j in range(n)]))
             init[r * count:(r + 1) * count] = vals(r, key, count, tc)
             buf = make(kind, tc, init)
             part = as_np(kind, tc, buf)[r * count:(r + 1) * count]   # a view of buf's memory
@@ -157,8 +171,7 @@ def test_allgather_in_place(groups, kind, tc):
                                           np.concatenate([vals(j, key, count, tc) for j in range(n)]))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_reduce_in_place_on_root(groups, kind, tc):
     """Reduce(MPI.IN_PLACE, buf) on the root, ordinary buffers elsewhere."""
     for g, ranks in groups:
@@ -176,8 +189,7 @@ def test_reduce_in_place_on_root(groups, kind, tc):
                     assert res is None
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tc", list(TYPECODES))
+@pytest.mark.parametrize("kind,tc", KIND_TC)
 def test_allreduce_in_place(groups, kind, tc):
     for g, ranks in groups:
         n, r = len(ranks), mpicomm.get_rank(g)
