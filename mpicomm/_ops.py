@@ -117,8 +117,8 @@ def mpi_table(row):
     """ReduceOp -> mpi4py op for dtype row ``row`` (mpicomm._dtypes.DType), the one choice of
     every MPI reduction: floating dtypes nan_mpi_ops(); bool (moved as uint8) bool_ops, MAX for
     OR and MIN for AND; 8- and 16-bit integers SUM as np.add, wrapping around as NumPy's
-    arithmetic (Open MPI's own SUM of them saturates from 64 elements on, where its AVX code
-    runs: open-mpi/ompi#8045, closed as wontfix); the others MPI's own ops."""
+    arithmetic (Open MPI's own SUM of them saturates wherever its AVX code runs, on all but the
+    shortest messages: open-mpi/ompi#8045, closed as wontfix); the others MPI's own ops."""
     if row.floating or row.upcast:
         return nan_mpi_ops()
     key = "bool" if row.boolean else ("narrow" if row.itemsize <= 2 and not row.complex else "plain")

@@ -111,8 +111,7 @@ def test_all_reduce(comm, sub, op, dt, which, async_op, request):
 @pytest.mark.parametrize("dt", [np.int8, np.uint8, np.int16, np.uint16], ids=IDS)
 def test_narrow_integer_sum_wraps_around(comm, sub, dt, count, request):
     """SUM of 8- and 16-bit integers wraps around as NumPy's arithmetic at every count (Open
-    MPI's own SUM saturates from 64 elements on, where its AVX code runs), in all_reduce,
-    reduce and reduce_scatter."""
+    MPI's own SUM saturates wherever its AVX code runs), in all_reduce, reduce and reduce_scatter."""
     n, me = mpicomm.get_group_size(), mpicomm.get_rank()
     key = request.node.name
     xs = [vals(r, key, (n * count,), dt) for r in range(n)]
