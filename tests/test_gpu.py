@@ -347,3 +347,53 @@ def test_gpu_new_arrays_every_call_and_per_call_checks(nccl, k):
     buf = k.to(np.zeros(13, np.float32))
     with pytest.raises(mpicomm.InvalidArgumentError, match="overlaps x"):
         mpicomm.all_reduce(buf[:12].reshape(4, 3), out=buf[1:13].reshape(4, 3))
+
+
+@pytest.mark.parametrize("which", ["world", "sub"])
+def test_gpu_bool_reduces_and_int16_moves(nccl, which, request):
+    """On real NCCL, CuPy arrays and PyTorch tensors: bool reduces as torch.distributed does
+    (SUM/MAX logical OR, PROD/MIN logical AND, bytes 0 and 1 only); int16 and uint16 move
+    through all_gather, all_to_all and broadcast as bytes; their reductions, and bool's AVG,
+    are refused on every rank naming the dtype, and the group goes on. Data and expectations:
+    tests/test_bool_int16.py (rank-seeded, computed with NumPy)."""
+    from test_bool_int16 import expect, same, vals
+    from test_errors import raises_everywhere
+
+    group = None if which == "world" else nccl
+    world = members(group)
+    me_w = mpicomm.get_rank()
+    if me_w not in world:
+        return
+    me, n = mpicomm.get_rank(group), len(world)
+    for k in kinds():
+        key = f"{request.node.name}{k.name}"
+        for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+            xs = [vals(w, key + op.value, (2 * n, 3), bool) for w in world]
+            full = expect(xs, op)
+            x = k.to(xs[world.index(me_w)])
+            same(k.host(synced(mpicomm.all_reduce(x, op, group=group), k)), full)
+            same(k.host(synced(mpicomm.reduce_scatter(x, op, group=group), k)), full[2 * me:2 * me + 2])
+            same(k.host(x), xs[world.index(me_w)])
+        for dt in (np.int16, np.uint16, np.bool_):
+            if k.name == "torch" and dt is np.uint16:
+                continue   # (PyTorch's uint16 is a limited dtype: not tried here)
+            kk = f"{key}{np.dtype(dt).name}"
+            xs = [vals(w, kk, (2 * n, 2), dt) for w in world]
+            x = k.to(xs[world.index(me_w)])
+            same(k.host(synced(mpicomm.all_gather(x, group=group), k)), np.concatenate(xs))
+            same(k.host(synced(mpicomm.all_to_all(x, group=group), k)),
+                 np.concatenate([a[2 * me:2 * me + 2] for a in xs]))
+            b = k.to(xs[world.index(me_w)])
+            synced(mpicomm.broadcast(b, root=n - 1, group=group), k)
+            same(k.host(b), xs[-1])
+        if group is not None:
+            continue   # (the refusals on the world: raises_everywhere compares over every rank)
+        h = k.to(vals(me_w, key + "h", (4,), np.int16))
+        raises_everywhere(mpicomm.InvalidArgumentError, lambda: mpicomm.all_reduce(h, group=group),
+                          "invalid x.dtype='int16'", "cast to int32")
+        t = k.to(vals(me_w, key + "t", (4,), bool))
+        raises_everywhere(mpicomm.InvalidArgumentError, lambda: mpicomm.all_reduce(t, ReduceOp.AVG, group=group),
+                          "invalid op='avg'", "dtype bool")
+        xs = [vals(w, key + "after", (3,), bool) for w in world]   # in step after the refusals
+        same(k.host(synced(mpicomm.all_reduce(k.to(xs[world.index(me_w)]), group=group), k)),
+             expect(xs, ReduceOp.SUM))
