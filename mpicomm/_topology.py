@@ -38,6 +38,32 @@ def select_gpu(local_rank):
     return dev
 
 
+
+def shared_gpus(lcomm, device_id, world_ranks):
+    """None where every rank of this host (``lcomm``, collective over it) has a GPU of its own,
+    else what is shared, in words: NCCL refuses two ranks on one GPU. GPUs are told apart by
+    PCI bus id, so ranks that each see their own GPU as device 0 (CUDA_VISIBLE_DEVICES per
+    rank) do not share one."""
+    import socket
+
+    import cupy
+
+    try:
+        me = str(cupy.cuda.Device(device_id).pci_bus_id)
+    except Exception:   # noqa: BLE001 - no bus id to be had: the device number
+        me = f"device {device_id}"
+    ids = lcomm.allgather(me)
+    on = {}
+    for r, i in zip(world_ranks, ids):
+        on.setdefault(i, []).append(r)
+    shared = [(i, rs) for i, rs in on.items() if len(rs) > 1]
+    if not shared:
+        return None
+    i, rs = shared[0]
+    return (f"on host {socket.gethostname()}, {len(ids)} ranks have {len(on)} GPU{'s' if len(on) > 1 else ''} "
+            f"between them: ranks {', '.join(map(str, rs))} share one ({i}), and NCCL needs a GPU of its own "
+            "for each rank")
+
 def gpu_seen():
     """Why this process looks as if it has an NVIDIA GPU, found without CuPy, or None.
 

@@ -15,7 +15,7 @@ from ._reliability import Reliability
 from ._reliability.progress import ghash
 from ._reliability.init_guard import InitGuard, StartGuard
 from ._state import CTX, WORLD, WORLD_ALIASES, Context, Group, env_bool, env_float, get_group, require_init
-from ._topology import CUPY_INSTALL, gpu_count, gpu_seen, local_comm, no_nccl_reason
+from ._topology import CUPY_INSTALL, gpu_count, gpu_seen, local_comm, no_nccl_reason, shared_gpus
 from .errors import BackendUnavailableError, InvalidArgumentError, invalid
 
 
@@ -108,8 +108,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, debug: boo
         if start is not None:
             start.done()
     guard = InitGuard(float(timeout), MPI.COMM_WORLD.Get_rank())   # until the watchdog takes over
+    auto = backend is None and backend_name is None and not os.environ.get("MPICOMM_BACKEND", "").strip()
     try:
-        _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check)
+        _init(MPI, name, timeout, debug, abort_on_exception, key, guard, check, auto)
     finally:
         guard.done()
     if name == "mpi" and backend is None and backend_name is None and CTX.local_rank == 0 \
@@ -133,7 +134,7 @@ def _say_gpu_without_nccl() -> None:
 
 
 def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: bool, key: tuple,
-          guard: InitGuard, check: bool = True) -> None:
+          guard: InitGuard, check: bool = True, auto: bool = False) -> None:
     world = MPI.COMM_WORLD.Dup()  # the library owns its communicator
     lcomm = local_comm(world)
     CTX.local_comm = lcomm
@@ -172,6 +173,25 @@ def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: 
         bad = [r for r, e in enumerate(errs) if e]
         raise BackendUnavailableError(f"backend {name!r} is unavailable on rank(s) {bad}: "
                                       f"{next(e for e in errs if e)}")
+    if name == "nccl":   # NCCL refuses two ranks on one GPU: said here, on every rank alike
+        guard.set("agree")
+        whys = world.allgather(shared_gpus(lcomm, backend_obj.device_id, CTX.local_world_ranks))
+        why = next((w for w in whys if w), None)
+        if why is not None and not auto:
+            world.Free()
+            lcomm.Free()
+            raise BackendUnavailableError(
+                f"backend 'nccl' cannot run these ranks: {why}. Start at most one rank per GPU on each host "
+                "(mpirun -n, or --map-by ppr:<GPUs>:node), give each rank its own GPU (CUDA_VISIBLE_DEVICES), "
+                "or use the MPI backend: init('mpi') or MPICOMM_BACKEND=mpi")
+        if why is not None:   # chosen by init() itself: MPI, said once per host
+            name, backend_obj = "mpi", get_backend_class("mpi")(CTX.local_rank)
+            if CTX.local_rank == 0:
+                import warnings
+
+                warnings.warn(f"mpicomm: {why}, so init() chose the MPI backend: GPU arrays go through host "
+                              "memory. For NCCL start at most one rank per GPU on each host; to keep MPI and "
+                              "not see this: init('mpi') or MPICOMM_BACKEND=mpi", UserWarning, stacklevel=3)
     CTX.backend_name = name
     CTX.backend = backend_obj
     CTX.device_id = backend_obj.device_id

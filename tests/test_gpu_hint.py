@@ -94,3 +94,51 @@ def test_doctor_diagnosis_of_made_up_rows():
     said = [w for w in warnings if w.startswith("a GPU without NCCL")]
     assert said == [w for w in said if "on host n1: rank(s) 0, 1" in w] and len(said) == 1
     assert problems == []
+
+
+# ------------------------------------------------ more ranks on a host than it has GPUs
+# Driven through the CPU double of CuPy (tests/fakecupy; FAKECUPY_DEVICES GPUs a host).
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakecupy")
+CHOSE = "so init() chose the MPI backend"
+SHOW = ("import mpicomm\ntry:\n    mpicomm.init({arg})\nexcept mpicomm.BackendUnavailableError as e:\n"
+        "    print('refused:', e, flush=True)\nelse:\n    print('backend', mpicomm.get_backend(), flush=True)")
+
+
+def _double(n, devices, arg=""):
+    env = clean_mpi_env({"PYTHONPATH": FAKE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                         "FAKECUPY_DEVICES": str(devices), "CUDA_VISIBLE_DEVICES": ""}, drop=("MPICOMM_BACKEND",))
+    p = subprocess.run(run_cli("-n", str(n), "python", "-c", SHOW.format(arg=arg)), env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("n, devices, shared", [(2, 1, "ranks 0, 1 share one (device 0)"),
+                                                (3, 2, "ranks 0, 2 share one (device 0)"),
+                                                (4, 3, "ranks 0, 3 share one (device 0)")])
+def test_ranks_sharing_a_gpu_get_the_mpi_backend_from_init_said_once_per_host(n, devices, shared):
+    """NCCL refuses two ranks on one GPU (NCCL_ERROR_INVALID_USAGE on every rank, from the
+    communicator's creation): init() picking the backend itself takes MPI instead, and each
+    host's first rank says why, naming the ranks that share a GPU."""
+    out, err = _double(n, devices)
+    assert out.count("backend mpi") == n, out + err
+    assert err.count(CHOSE) == 1, err
+    line = next(ln for ln in err.splitlines() if CHOSE in ln)
+    assert f"{n} ranks have {devices} GPU" in line and shared in line, line
+    assert "MPICOMM_BACKEND=mpi" in line and SAYS not in err
+
+
+@pytest.mark.parametrize("arg", ["'nccl'", "backend_name='nccl'"])
+def test_ranks_sharing_a_gpu_asked_for_nccl_are_refused_on_every_rank(arg):
+    out, err = _double(3, 2, arg)
+    said = [ln for ln in out.splitlines() if ln.startswith("refused:")]
+    assert len(said) == 3 and len(set(said)) == 1, out + err
+    assert "backend 'nccl' cannot run these ranks" in said[0] and "ranks 0, 2 share one (device 0)" in said[0]
+    assert "one rank per GPU" in said[0] and "init('mpi') or MPICOMM_BACKEND=mpi" in said[0]
+    assert CHOSE not in err
+
+
+def test_a_gpu_for_each_rank_is_nccl_and_no_word():
+    out, err = _double(3, 3)
+    assert out.count("backend nccl") == 3, out + err
+    assert CHOSE not in err and SAYS not in err
