@@ -397,3 +397,22 @@ def test_gpu_bool_reduces_and_int16_moves(nccl, which, request):
         xs = [vals(w, key + "after", (3,), bool) for w in world]   # in step after the refusals
         same(k.host(synced(mpicomm.all_reduce(k.to(xs[world.index(me_w)]), group=group), k)),
              expect(xs, ReduceOp.SUM))
+
+
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+def test_gpu_avg_of_a_large_count_not_a_multiple_of_4(nccl, dt, request):
+    """AVG of 1 MiB and more whose count is not a multiple of 4 (NCCL 2.28's ncclAvg on a
+    one-rank communicator leaves the last elements unwritten there), every element checked,
+    all_reduce, reduce_scatter and reduce, CuPy and PyTorch."""
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    count = n * (131075 if dt == "float64" else 262147)
+    for k in kinds():
+        xs = [data(r, f"{request.node.name}{k.name}", (count,), np.dtype(dt)) for r in range(n)]
+        want = np.mean(np.stack(xs), axis=0)
+        x = k.to(xs[me])
+        close(k.host(synced(mpicomm.all_reduce(x, ReduceOp.AVG), k)), want)
+        c = count // n
+        close(k.host(synced(mpicomm.reduce_scatter(x, ReduceOp.AVG), k)), want[me * c:(me + 1) * c])
+        red = synced(mpicomm.reduce(x, ReduceOp.AVG, root=n - 1), k)
+        if me == n - 1:
+            close(k.host(red), want)
