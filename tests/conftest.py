@@ -81,6 +81,23 @@ def reversed_group(name):
     return ranks
 
 
+
+def ring_pass(x, out):
+    """Blocking send of ``x`` to the next rank of the world and receive of the previous one's
+    into ``out``: even ranks send first, odd ones receive first (no rank waits on a send that
+    no one receives). Returns ``out``."""
+    import mpicomm
+
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    dst, src = (me + 1) % n, (me - 1) % n
+    if me % 2 == 0:
+        mpicomm.send(x, dst)
+        mpicomm.recv(out, src)
+    else:
+        mpicomm.recv(out, src)
+        mpicomm.send(x, dst)
+    return out
+
 def shm_of(group=None):
     """The group's shared-memory strategy (under NCCL, that of the MPI transport host arrays take)."""
     import mpicomm

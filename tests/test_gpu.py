@@ -6,7 +6,7 @@ import pytest
 
 import mpicomm
 from mpicomm import ReduceOp
-from conftest import reversed_group
+from conftest import reversed_group, ring_pass
 from test_collectives import allowed, data, reduce_np
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
@@ -188,14 +188,8 @@ def test_gpu_send_recv(nccl, request):
     for k in kinds():
         key = request.node.name + k.name
         x = k.to(data(me, key, (33,), np.float64))
-        out = k.to(np.zeros(33))
-        dst, src = (me + 1) % n, (me - 1) % n
-        if me % 2 == 0:
-            mpicomm.send(x, dst)
-            mpicomm.recv(out, src)
-        else:
-            mpicomm.recv(out, src)
-            mpicomm.send(x, dst)
+        out = ring_pass(x, k.to(np.zeros(33)))
+        src = (me - 1) % n
         synced(None, k)
         close(k.host(out), data(src, key, (33,), np.float64))
         mpicomm.barrier()  # after point-to-point GPU work (once broke the watchdog's note)

@@ -22,7 +22,7 @@ import pytest
 
 import mpicomm
 from mpicomm import InvalidArgumentError, ReduceOp
-from conftest import reversed_group
+from conftest import reversed_group, ring_pass
 from test_collectives import allowed, data, reduce_np
 
 pytestmark = pytest.mark.mpi
@@ -235,14 +235,7 @@ def test_bool_and_int16_point_to_point(cp, request):
         x = cp.asarray(vals(r, key, (101, 3), dt))
         want = vals(prv, key, (101, 3), dt)
         if n > 1:
-            out = cp.zeros((101, 3), dt)
-            if r % 2 == 0:
-                mpicomm.send(x, nxt)
-                mpicomm.recv(out, prv)
-            else:
-                mpicomm.recv(out, prv)
-                mpicomm.send(x, nxt)
-            same(out.get(), want)
+            same(ring_pass(x, cp.zeros((101, 3), dt)).get(), want)
             out = cp.zeros((101, 3), dt)   # tagged: staged through host memory
             w = mpicomm.send(x, nxt, tag=4, async_op=True)
             mpicomm.recv(out, prv, tag=4)
@@ -516,14 +509,7 @@ def test_send_recv_sendrecv_and_tags(cp, request):
     x = cp.asarray(data(r, key, (1000, 3), "float64"))
     want = data(prv, key, (1000, 3), "float64")
     if n > 1:
-        out = cp.zeros((1000, 3))
-        if r % 2 == 0:
-            mpicomm.send(x, nxt)
-            mpicomm.recv(out, prv)
-        else:
-            mpicomm.recv(out, prv)
-            mpicomm.send(x, nxt)
-        close(out.get(), want)
+        close(ring_pass(x, cp.zeros((1000, 3))).get(), want)
         # both sides send first (NCCL only enqueues; the double completes sends later)
         out = cp.zeros((1000, 3))
         w = mpicomm.send(x, nxt, async_op=True)
