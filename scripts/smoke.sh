@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: the collective smoke test over N ranks (default 4), NCCL where GPUs are,
+# The main job: the collective smoke test over N ranks (default 4), NCCL where each rank has a GPU of its own,
 # MPI and NumPy otherwise. Sets up .venv on a fresh machine first.
 #   scripts/smoke.sh            4 ranks, full
 #   scripts/smoke.sh 2 --quick  N ranks, extra arguments go to mpicomm-smoke
