@@ -170,6 +170,19 @@ def test_bad_op_on_one_rank(multi):
     assert isinstance(err, InvalidArgumentError), type(err)   # also for the others: the call was invalid
 
 
+
+@pytest.mark.parametrize("case", ["bool_avg", "int16_avg"])
+def test_avg_on_bool_or_int16_on_one_rank(multi, case):
+    """One rank asks for AVG of bool (or int16) where the others SUM the same array: refused on
+    that rank, and the others raise too (the call was invalid), naming the dtype's rule."""
+    n, r = multi
+    bad = _other(n, 16)
+    dt = bool if case == "bool_avg" else np.int16
+    x = np.random.default_rng(r).integers(0, 2, 6).astype(dt)
+    err = _run_case(n, r, lambda: mpicomm.all_reduce(x, op="avg" if r == bad else "sum"), 700)
+    assert "invalid op='avg'" in str(err) and ("dtype bool" in str(err) if dt is bool else "int16" in str(err)), err
+    assert isinstance(err, InvalidArgumentError), type(err)
+
 def test_non_array_root_of_scatter(multi):
     n, r = multi
     err = _run_case(n, r, lambda: mpicomm.scatter("rows" if r == 0 else None, root=0, out=np.empty((1, 3))), 600)

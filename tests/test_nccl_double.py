@@ -272,6 +272,24 @@ def test_int16_reductions_and_bool_avg_refused_on_every_rank(cp, request):
     same(mpicomm.all_reduce(cp.asarray(xs[r]), "min").get(), expect(xs, ReduceOp.MIN))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_int16_gpu_reduction_on_one_rank_refused_on_every_rank(cp, request):
+    """One rank reduces an int16 GPU array, the others an int32 GPU array of the same shape (what
+    the message says to do): every rank raises, the others naming the refusing rank's reason;
+    the next call is in step."""
+    from test_bool_int16 import expect, same, vals
+    from test_errors import raises_everywhere
+
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    bad = n - 1
+    key = request.node.name
+    x = cp.asarray(vals(r, key, (2 * n, 3), np.int16 if r == bad else np.int32))
+    raises_everywhere(InvalidArgumentError, lambda: mpicomm.all_reduce(x), "invalid x.dtype='int16'",
+                      "cast to int32")
+    xs = [vals(q, key + "ok", (2 * n, 3), np.int32) for q in range(n)]
+    same(mpicomm.all_reduce(cp.asarray(xs[r])).get(), expect(xs, ReduceOp.SUM))
+
+
 # ----------------------------------------------------------------------- roles
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])   # (async: the general path)
 def test_roles_out_in_place_and_nccl_slots(cp, async_op, request):
