@@ -7,4 +7,6 @@ set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 n=${1:-4}
 shift || true
-exec "$MPIRUN" "${MPIRUN_FLAGS[@]}" -n "$n" "$PY" -m mpicomm.tools.smoke "$@"
+# through mpicomm-run: it adds what this machine needs (root, oversubscribing a small one) and
+# starts the job again where Open MPI's launcher failed on its own before starting any rank
+exec "$PY" -m mpicomm.launch -n "$n" -m mpicomm.tools.smoke "$@"

@@ -57,6 +57,12 @@ with open(sys.argv[1], "w") as f:
     f.write("%d\n" % (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024))
 sys.exit(rc if rc >= 0 else 128 - rc)'
 
+# Exits 0 when the log in argv[1] shows mpirun failing on its own before starting any rank
+# (mpicomm.launch.mpirun.START_FAILURES, e.g. Open MPI 5's PMIx listener thread start-up).
+start_failure_py='import sys
+from mpicomm.launch.mpirun import failed_to_start
+sys.exit(not failed_to_start(open(sys.argv[1], "rb").read()))'
+
 # stage NAME RANKS LIMIT CMD...: runs CMD for at most LIMIT seconds, shows its output and
 # keeps it in $work/NAME.log, then records the verdict, the time and the peak memory; sets
 # failed=1 if it failed. RANKS is the world size pytest-mpi must report ("" if serial).
@@ -64,6 +70,15 @@ stage() {
     local name=$1 n=$2 limit=$3 t0=$SECONDS rc=0 log=$work/$1.log
     shift 3
     "$py" -c "$peak_py" "$log.peak" timeout -k 20 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    local try
+    for try in 2 3; do   # mpirun failed on its own before starting a rank: run it again
+        if [ "$rc" = 0 ] || [ -z "$n" ] || grep -aqx "size: $n" "$log" || ! "$py" -c "$start_failure_py" "$log"; then
+            break
+        fi
+        echo "== $name: mpirun failed on its own before starting any rank (above); running the stage again, try $try of 3"
+        rc=0
+        "$py" -c "$peak_py" "$log.peak" timeout -k 20 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    done
     local secs=$((SECONDS - t0)) peak counts passed verdict
     peak=$(cat "$log.peak" 2>/dev/null || echo "?")
     # pytest's last line, e.g. "12 passed, 3 skipped, 5 deselected in 4.02s"

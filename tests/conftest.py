@@ -172,10 +172,22 @@ def job_text(raw):
     return _LAUNCHER_STRAY.sub(rb"\1", raw).decode("utf-8", errors="replace")
 
 
-def run_job(argv, env, timeout, cwd=None):
+def run_job(argv, env, timeout, cwd=None, tries=3):
     """Run an mpirun job in a session of its own: (CompletedProcess with text, seconds).
     A job past ``timeout`` is killed whole (mpirun and every rank) and raises TimeoutExpired,
-    so no rank of a failed case lives on into the next one."""
+    so no rank of a failed case lives on into the next one. A job whose launcher failed on its
+    own before starting any rank (mpicomm.launch.mpirun.START_FAILURES) runs again, up to
+    ``tries`` times in all, as mpicomm-run does."""
+    from mpicomm.launch.mpirun import failed_to_start
+
+    for _ in range(tries - 1):
+        proc, secs = _run_job_once(argv, env, timeout, cwd)
+        if proc.returncode == 0 or not failed_to_start(proc.stderr + proc.stdout):
+            return proc, secs
+    return _run_job_once(argv, env, timeout, cwd)
+
+
+def _run_job_once(argv, env, timeout, cwd):
     t0 = time.monotonic()
     with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True, cwd=cwd) as proc:

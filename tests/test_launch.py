@@ -1152,3 +1152,62 @@ def test_startup_probe_runs_the_configured_agent(tmp_path):
                                                                        "No such file or directory"}
     finally:
         missing.close()
+
+
+def _launcher_failing_first(tmp_path, times, message):
+    """A launcher that prints ``message`` and exits 213 on its first ``times`` job starts
+    (as Open MPI 5's prterun does when its PMIx listener thread fails to start), then is the
+    real mpirun; ``--version`` is always the real one's."""
+    real = mr.find_mpirun()
+    count = tmp_path / "starts"
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" != --version ]; then
+    echo x >> {shlex.quote(str(count))}
+    if [ "$(wc -l < {shlex.quote(str(count))})" -le {times} ]; then
+        printf '%s\\n' '--------------------------------------------------------------------------' \\
+            {shlex.quote(message)} 'continue.' >&2
+        exit 213
+    fi
+fi
+exec {shlex.quote(real)} "$@"
+""")
+    fake.chmod(0o755)
+    return fake, count
+
+
+@spawns_mpirun
+@needs_mpirun
+@pytest.mark.parametrize("times", [1, 2, 3])
+def test_launcher_start_failure_is_tried_again(tmp_path, times):
+    """Open MPI 5's launcher now and then fails on its own before starting any rank ("The
+    PMIx server's listener thread failed to start"): mpicomm-run starts the job again, up to
+    3 tries, and each rank runs once; a third failure is the job's status."""
+    fake, count = _launcher_failing_first(tmp_path, times, "The PMIx server's listener thread failed to start. We cannot")
+    ran = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"from mpi4py import MPI\nopen({str(ran)!r} + '.%d' % MPI.COMM_WORLD.rank, 'x').close()\n")
+    proc = _run(["-n", "2", "--mpirun", str(fake), str(script)])
+    starts = len(count.read_text().splitlines())
+    again = [l for l in proc.stderr.splitlines() if "failed on its own before starting any rank" in l]
+    assert proc.stderr.count("listener thread failed to start") == min(times, 3)
+    if times < 3:
+        assert proc.returncode == 0, proc.stderr
+        assert starts == times + 1 and len(again) == times
+        assert [f"try {t + 2} of 3" in l for t, l in enumerate(again)] == [True] * times
+        assert sorted(p.name for p in tmp_path.glob("ran.*")) == ["ran.0", "ran.1"]
+    else:
+        assert proc.returncode == 213 and starts == 3 and len(again) == 2
+        assert not list(tmp_path.glob("ran.*"))
+
+
+@spawns_mpirun
+@needs_mpirun
+def test_other_launcher_failures_are_not_tried_again(tmp_path):
+    fake, count = _launcher_failing_first(tmp_path, 1, "ORTE was unable to reliably start one or more daemons.")
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    proc = _run(["-n", "1", "--mpirun", str(fake), str(script)])
+    assert proc.returncode == 213, proc.stderr
+    assert "unable to reliably start" in proc.stderr and "starting the job again" not in proc.stderr
+    assert len(count.read_text().splitlines()) == 1

@@ -68,6 +68,23 @@ def test_compare_names_the_first_wrong_element():
     assert smoke.compare(f + 0.5, f, np.dtype(np.float32)) is not None
 
 
+def test_plan_reduces_bool_without_avg_and_16_bit_integers_only_where_the_backend_can():
+    """bool reduces with SUM, PROD, MIN and MAX (as torch.distributed: OR and AND), never AVG;
+    int16 and uint16 reduce on MPI, and on NCCL (no 16-bit integer reduction there) only move."""
+    for backend in ("mpi", "nccl"):
+        cases = smoke.plan(["bool", "int16", "uint16", "float32"], ["world"], quick=True, backend=backend)
+        ops = {(c.coll, c.dtype): set() for c in cases}
+        for c in cases:
+            ops[(c.coll, c.dtype)].add(c.op)
+        for coll in smoke.REDUCING:
+            assert ops[(coll, "bool")] == {"sum", "prod", "min", "max"}
+            assert ops[(coll, "float32")] == set(smoke.OPS)
+            for name in ("int16", "uint16"):
+                assert ops.get((coll, name)) == ({"sum", "prod", "min", "max"} if backend == "mpi" else None)
+        for name in ("bool", "int16", "uint16"):
+            assert {c.coll for c in cases if c.dtype == name} >= set(smoke.COLLECTIVES) - set(smoke.REDUCING) - {"barrier"}
+
+
 def test_plan_covers_every_collective_op_dtype_group_and_mode():
     cases = smoke.plan(list(smoke.DTYPES), ["world", "sub"], quick=True)
     keys = {(c.coll, c.dtype, c.op, c.group, c.mode) for c in cases}

@@ -46,6 +46,7 @@ _GRACE_S = 10.0
 # Python's own options that take a value (python -W error script.py).
 _PY_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
 _ROOT_MARKER = "root-notice-shown"
+_START_TRIES = 3  # tries of a job whose launcher failed on its own before starting any rank
 
 
 class UsageError(MpicommError, ValueError):
@@ -287,11 +288,63 @@ def _end_group(proc, grace=_GRACE_S):
     proc.wait()
 
 
+# The copier of mpirun's stderr: a process of its own (in a session of its own, so that Ctrl-C
+# reaches mpirun through mpicomm-run and not it), so that it drains mpirun's stderr to the end
+# even when mpicomm-run is killed: mpirun, ending its ranks then, must not die writing to a
+# pipe nobody reads. Exits 3 when the output showed a launcher start-up failure.
+_COPY_STDERR = """
+import os, sys
+markers = [m.encode() for m in sys.argv[1:]]
+seen, tail = False, b""
+while True:
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    out = chunk
+    while out:
+        try:
+            out = out[os.write(2, out):]
+        except OSError:   # this stderr is gone: drain mpirun's all the same
+            break
+    if not seen:
+        seen, tail = any(m in tail + chunk for m in markers), (tail + chunk)[-256:]
+sys.exit(3 if seen else 0)
+"""
+
+
+def _stderr_copier(env):
+    """(copier process, the write end of its pipe: mpirun's stderr)."""
+    read, write = os.pipe()
+    try:
+        copier = subprocess.Popen([sys.executable, "-I", "-S", "-c", _COPY_STDERR, *_mpirun.START_FAILURES],
+                                  stdin=read, env=env, start_new_session=True)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return copier, write
+
+
 def _run(argv, env, timeout, watch=None, launch_timeout=None):
-    """Run mpirun; return its exit status (124 if it was ended by the timeout, or by the
-    start-up watch ``watch`` when not every rank started within ``launch_timeout``)."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    """Run mpirun; return (exit status, whether its launcher failed on its own before
+    starting anything). The status is 124 if the job was ended by the timeout, or by the
+    start-up watch ``watch`` when not every rank started within ``launch_timeout``."""
+    copier, write = _stderr_copier(env)
+    try:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=write,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    finally:
+        os.close(write)
+    code = _wait(proc, timeout, watch, launch_timeout)
+    try:
+        copied = copier.wait(timeout=10)   # at the end of mpirun's stderr (a daemon left holding it: 10 s)
+    except subprocess.TimeoutExpired:
+        copied = None
+    return code, copied == 3
+
+
+def _wait(proc, timeout, watch, launch_timeout):
     if watch is not None:
         try:
             if not watch.wait(proc, launch_timeout):
@@ -576,7 +629,16 @@ def main(argv=None):
         notice_once(_ROOT_MARKER, "running as root: added --allow-run-as-root (Open MPI "
                     "refuses root without it); shown once, remembered in "
                     f"{_cache_dir(os.environ)}")
-    return _run(command, env, timeout, watch, launch_timeout)
+    for attempt in range(1, _START_TRIES + 1):
+        code, failed_to_start = _run(command, env, timeout, watch, launch_timeout)
+        # Only where no start-up watch is needed (one host): the watch's program argv names
+        # its address, which does not outlive one try.
+        if code == 0 or not failed_to_start or watch is not None or attempt == _START_TRIES:
+            return code
+        print(f"mpicomm-run: {os.path.basename(mpirun)} failed on its own before starting any rank "
+              f"(exit {code}; its message is above); starting the job again, try {attempt + 1} "
+              f"of {_START_TRIES}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

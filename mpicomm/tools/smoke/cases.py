@@ -7,8 +7,8 @@ from .expected import dtype_kind, np_dtype
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
                "send_recv", "barrier", "all_gatherv", "all_to_allv", "reduce_scatterv", "gather", "scatter",
                "sendrecv", "batch")
-DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32",
-          "float64", "complex64", "complex128")
+DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+          "bfloat16", "float32", "float64", "complex64", "complex128")
 OPS = ("sum", "prod", "min", "max", "avg")
 REDUCING = ("all_reduce", "reduce_scatter", "reduce", "reduce_scatterv")
 # the largest buffer is n chunks of the count for these
@@ -41,8 +41,15 @@ class Case:
         return (self.coll, self.dtype, self.op or "-", self.count, self.group, self.mode)
 
 
-def ops_for(dt):
+def ops_for(dt, backend="mpi"):
+    """The ops a reducing collective runs on ``dt``: bool reduces as torch.distributed does
+    (SUM, MAX: OR; PROD, MIN: AND; no AVG); NCCL has no 16-bit integer reduction (mpicomm
+    refuses it, as torch does), so on the NCCL backend int16 and uint16 only move."""
     kind = dtype_kind(dt)
+    if kind == "b":
+        return ("sum", "prod", "min", "max")
+    if backend == "nccl" and dt.kind in "iu" and dt.itemsize == 2:
+        return ()
     if kind == "c":
         return ("sum", "avg")
     if kind == "f":
@@ -50,7 +57,7 @@ def ops_for(dt):
     return ("sum", "prod", "min", "max")
 
 
-def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
+def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1, backend="mpi"):
     """Every case of a run, in the same order on every rank.
 
     Every dtype and op runs at the small and medium counts (0 and 1 element, odd
@@ -71,7 +78,7 @@ def plan(dtypes, groups, quick, big_bytes=BIG_BYTES, n=1):
                 continue
             for name in dtypes:
                 dt = np_dtype(name)
-                ops = ops_for(dt) if coll in REDUCING else (None,)
+                ops = ops_for(dt, backend) if coll in REDUCING else (None,)
                 for op in ops:
                     for count in counts:
                         for mode in modes:

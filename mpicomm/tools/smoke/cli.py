@@ -116,7 +116,7 @@ def main(argv=None):
     skipped = [d for d in dtypes if d not in common]
 
     groups = _groups(mc, n, rank, args.no_subgroup)
-    all_cases = plan(common, list(groups), args.quick, n=n)
+    all_cases = plan(common, list(groups), args.quick, n=n, backend=backend)
     cases = [c for c in all_cases if c.coll in colls]
     runner = Runner(mc, xp, groups, breaks)
     times = {}

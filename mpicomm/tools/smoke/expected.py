@@ -24,7 +24,7 @@ def np_dtype(name):
 
 
 def dtype_kind(dt):
-    if dt.kind in "iu":
+    if dt.kind in "iub":
         return dt.kind
     if dt.kind == "c":
         return "c"
@@ -50,6 +50,13 @@ def pattern(op, dt, key):
     """
     k = np.arange(PERIOD, dtype=np.int64)
     kind = dtype_kind(dt)
+    if kind == "b":   # True and False, a different sequence for each key and op
+        salt = {None: 0, "sum": 1, "max": 1, "prod": 2, "min": 2}[op]
+        v = ((k * (2 * key + 1) + 3 * key + salt) % 7 < 3) ^ ((k * (key + 1) + key + salt) % 11 < 5)
+        if salt == 2:   # for AND mostly True, so that the result is not all False
+            v |= (k + key) % 3 == 0
+        v.flags.writeable = False
+        return v
     signed = kind != "u"
     if op in ("sum", "avg"):
         v = (key * 3 + k) % 7 + 1 - (3 if signed else 0)
@@ -85,6 +92,8 @@ def reduce_keys(op, dt, keys, count):
 @functools.lru_cache(maxsize=1024)
 def _reduced_period(op, dt, keys):
     stack = np.stack([pattern(op, dt, key) for key in keys])
+    if dt.kind == "b":   # SUM and MAX: logical OR; PROD and MIN: logical AND
+        return (stack.any(axis=0) if op in ("sum", "max") else stack.all(axis=0)).astype(dt)
     if op in ("sum", "avg"):
         r = stack.sum(axis=0)
         if op == "avg":
@@ -117,7 +126,7 @@ _CHUNK = 1 << 22  # elements compared at a time: bounded temporaries for GiB-siz
 def wrong_mask(got, exp, dt):
     """Boolean array: where ``got`` differs from ``exp`` (exactly for integers, else
     beyond :func:`tolerance`). Same shapes assumed."""
-    if dt.kind in "iu":
+    if dt.kind in "iub":
         return got != exp
     wide = np.complex128 if dt.kind == "c" else np.float64
     g, e = got.astype(wide), exp.astype(wide)

@@ -54,7 +54,7 @@ class Runner:
         if c.coll in self.breaks and grank == n - 1 and got is not None and np.size(got):
             got = np.array(got, copy=True)  # the checker's self-test: corrupt one element
             e0 = exp.ravel()[0]
-            got.ravel()[0] = 1 if e0 != 1 else 2
+            got.ravel()[0] = (not e0) if got.dtype == np.bool_ else (1 if e0 != 1 else 2)
         bad = compare(got, exp, np_dtype(c.dtype))
         if bad is not None:
             self.failures.append((c.key(), bad))
