@@ -59,7 +59,9 @@ def _check_sizes(g, sizes, arg="sizes"):
         except TypeError:   # an unhashable entry: refused below
             pass
     try:
-        t = tuple(sizes)
+        # a 1-D array of sizes (NumPy, PyTorch: Horovod's int32 splits tensor, CuPy) by its values:
+        # a tensor's elements are 0-d tensors, no ints; floats and bools stay refused below
+        t = tuple(sizes.tolist() if getattr(sizes, "ndim", None) == 1 and hasattr(sizes, "tolist") else sizes)
     except TypeError:
         t = None
     if t is None or len(t) != n or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
