@@ -64,16 +64,40 @@ def is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
-def torch_host_view(t):
-    """A NumPy view of a CPU tensor's memory (bfloat16 through its bits; no copy)."""
+def torch_host_view(t, arg="x"):
+    """A NumPy view of a CPU tensor's memory (bfloat16 through its bits; no copy). A tensor
+    with its conjugate or negative bit set (``x.conj()`` of a complex tensor, ``.imag`` of
+    one) is resolved into a copy of its values, as non-contiguous input is. A tensor NumPy
+    cannot view (sparse, on the meta device, of a dtype mpicomm has no row for) raises
+    InvalidArgumentError naming ``arg``."""
     import torch
 
     t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
+    try:
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.dtype is torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+    except (TypeError, RuntimeError, NotImplementedError) as e:
+        if t.layout is torch.strided and t.device.type == "cpu" and (t.is_conj() or t.is_neg()):
+            return torch_host_view(t.resolve_conj().resolve_neg(), arg)
+        raise _tensor_refused(t, arg, e) from None
+
+
+def _tensor_refused(t, arg, e):
+    """InvalidArgumentError for a tensor NumPy cannot view, naming what about it is refused."""
+    import torch
+
+    from ._dtypes import SUPPORTED
+
+    if t.layout is not torch.strided:
+        return invalid(arg, f"a {str(t.layout).replace('torch.', '')} tensor",
+                       "a dense (torch.strided) tensor (x.to_dense() gives one)")
+    if t.device.type != "cpu":
+        return invalid(arg, f"a tensor on device {t.device}", "a CPU tensor, or a CUDA tensor on the NCCL backend")
+    return invalid(arg, f"a tensor of dtype {str(t.dtype).replace('torch.', '')} ({type(e).__name__}: {e})",
+                   f"a tensor of one of the dtypes {SUPPORTED}")
 
 
 def _torch_back(x, gpu):
@@ -102,7 +126,7 @@ def to_host(x, arg="x"):
         back = _torch_back(x, True) if is_torch(x) else (lambda a: cupy.asarray(a) if a is not None else None)
         return cupy.asnumpy(g), back
     if is_torch(x):
-        return torch_host_view(x), _torch_back(x, False)
+        return torch_host_view(x, arg), _torch_back(x, False)
     if hasattr(x, "__dlpack__"):
         try:
             a = np.from_dlpack(x)
@@ -185,7 +209,10 @@ def host_out(out, shape, dtype, x=None, arg="out"):
         if is_torch(out):
             if not out.is_contiguous():
                 raise invalid(arg, "non-contiguous tensor", "a contiguous tensor")
-            a = torch_host_view(out)
+            if out.is_conj() or out.is_neg():   # (NumPy would see a resolved copy, not out's memory)
+                raise invalid(arg, f"a tensor with its {'conjugate' if out.is_conj() else 'negative'} bit set",
+                              "a tensor whose memory holds its values (out.resolve_conj() / resolve_neg())")
+            a = torch_host_view(out, arg)
         elif hasattr(out, "__dlpack__"):
             a = np.from_dlpack(out)
         else:
@@ -269,3 +296,27 @@ def check_writable(x, arg="x", why="the result is written into it"):
     if ro:
         kind = "array" if isinstance(x, np.ndarray) else type(x).__name__
         raise invalid(arg, f"read-only {kind}", f"a writable array ({why})")
+    if _self_overlapping(x):
+        raise invalid(arg, f"a {'tensor' if is_torch(x) else 'view'} whose elements share memory (stride 0 along an "
+                      f"axis of length > 1, as torch's expand() or NumPy's as_strided make: shape "
+                      f"{tuple(x.shape)}, strides {_strides(x)})",
+                      f"an array with one memory location per element ({why}; .clone() or .copy() it first)")
+
+
+def _strides(x):
+    return tuple(x.stride()) if is_torch(x) else tuple(x.strides)
+
+
+def _self_overlapping(x):
+    """True for a host NumPy array or CPU tensor with a stride-0 axis of length > 1 (torch's
+    expand(), NumPy's writable as_strided): writing a result into it would keep one of the
+    values per memory location (NumPy, silently) or fail after the call (torch)."""
+    if isinstance(x, np.ndarray):
+        shape, strides = x.shape, x.strides
+    elif is_torch(x) and not getattr(x, "is_cuda", False):
+        shape, strides = tuple(x.shape), x.stride()
+    else:
+        return False
+    if 0 in shape:
+        return False
+    return any(st == 0 and d > 1 for d, st in zip(shape, strides))
