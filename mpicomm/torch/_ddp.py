@@ -112,6 +112,9 @@ class DistributedDataParallel(nn.Module):
 
     device_ids, output_device: accepted for torch DDP's call form and not used (the
         module's parameters decide the devices).
+    gradient_as_bucket_view: accepted (True or False) for torch DDP's call form: the
+        gradients are always views of their buckets, as torch's True makes them (with
+        False they would be tensors of their own: the values are the same).
     bucket_cap_mb: MiB per bucket (0: one all_reduce per parameter; None: one bucket).
     gradients_mean: average the gradients (True, as DDP) or sum them (False).
     compression: None, "fp16" or "bf16": float32 gradients travel in half precision
@@ -159,17 +162,19 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, device_ids=None, output_device=None, *, bucket_cap_mb=25.0,
                  gradients_mean=True, compression=None, find_unused_parameters=False,
                  broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None, optimizer=None,
-                 overlap_step=False):
+                 overlap_step=False, gradient_as_bucket_view=True):
         super().__init__()
         # what a copy (copy.deepcopy, pickle) is rebuilt from (__getstate__)
         self._ctor = dict(bucket_cap_mb=bucket_cap_mb, gradients_mean=gradients_mean, compression=compression,
                           find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
                           fusion_config=fusion_config, embedding_grads=embedding_grads, group=group,
-                          optimizer=optimizer, overlap_step=overlap_step)
+                          optimizer=optimizer, overlap_step=overlap_step,
+                          gradient_as_bucket_view=gradient_as_bucket_view)
         self._lazy = False
         if not isinstance(module, nn.Module):
             raise invalid("module", TypeOf(module), "a torch.nn.Module")
         _flag("gradients_mean", gradients_mean)
+        _flag("gradient_as_bucket_view", gradient_as_bucket_view)
         check_mode(embedding_grads)
         _flag("overlap_step", overlap_step)
         if overlap_step and optimizer is None:
