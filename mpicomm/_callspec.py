@@ -277,9 +277,14 @@ def spec_of(code, x, out, arg, size, rank):
 _PLAIN = {}
 
 
-def plain_spec(code):
-    """The spec of a call without arrays (barrier, creating or destroying a group)."""
-    s = _PLAIN.get(code)
+def plain_spec(code, async_op=False):
+    """The spec of a call without arrays (barrier, creating or destroying a group);
+    ``async_op``: started with async_op=True (a barrier: MPI never matches ``Ibarrier`` with
+    ``Barrier``, so the ranks must agree on it, as for host arrays' collectives)."""
+    s = _PLAIN.get((code, async_op))
     if s is None:
-        s = _PLAIN[code] = CallSpec(code)
+        s = CallSpec(code)
+        if async_op:
+            s.started_async()
+        _PLAIN[(code, async_op)] = s
     return s

@@ -396,7 +396,11 @@ class Dispatcher(AgreementPaths):
         if m[b + AT_POISON]:
             self.poisoned(seq, code)
         m[b] = v
-        w = self.publish(seq, code, (spec or plain_spec(code)).sig, None if spec is None else _Watched(spec, async_op))
+        if spec is None and async_op:   # (an async barrier: its spec says so, and the flight ring too)
+            w = self.publish(seq, code, plain_spec(code, True).sig, _Watched(plain_spec(code, True), True))
+        else:
+            w = self.publish(seq, code, (spec or plain_spec(code)).sig,
+                             None if spec is None else _Watched(spec, async_op))
         try:
             r = fn()
         except BaseException as e:

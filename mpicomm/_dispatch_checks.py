@@ -74,9 +74,9 @@ class AgreementPaths:
         e = m[b]
         w = m[self.cb + (seq & CALLS_MASK)]
         if e >> 4 == seq and w >> 32 == seq:   # (no ring word yet: still preparing, last[] is older)
-            ps = plain_spec(e & 15)
-            if ps.sig == w & 0xFFFFFFFF:       # a barrier, creating or destroying a group
-                return ps
+            for ps in (plain_spec(e & 15), plain_spec(e & 15, True)):
+                if ps.sig == w & 0xFFFFFFFF:   # a barrier (async or not), creating or destroying a group
+                    return ps
             p = self.last[e & 15]
             if p is not NEVER and getattr(p, "sig", None) == w & 0xFFFFFFFF:
                 return getattr(p, "spec", None) or plain_spec(e & 15)

@@ -50,6 +50,11 @@ CASES = {
     "object_root": ("mpicomm.broadcast_object({'from': r}, root=0 if r < n - 1 else n - 1)",
                     lambda n: [rf"rank {_not_last(n)}: broadcast, root 0\b",
                                rf"rank {n - 1}: broadcast, root {n - 1}\b"]),
+    # a barrier started async_op=True on the last rank only: MPI never matches Ibarrier with
+    # Barrier (every rank waited for the timeout, "stuck in the transport")
+    "barrier_async": ("mpicomm.barrier(async_op=True).wait() if r == n - 1 else mpicomm.barrier()",
+                      lambda n: [rf"rank {_not_last(n)}: barrier;",
+                                 rf"rank {n - 1}: barrier, async_op=True\b"]),
 }
 
 
