@@ -51,10 +51,12 @@ CASES = {
                     lambda n: [rf"rank {_not_last(n)}: broadcast, root 0\b",
                                rf"rank {n - 1}: broadcast, root {n - 1}\b"]),
     # a barrier started async_op=True on the last rank only: MPI never matches Ibarrier with
-    # Barrier (every rank waited for the timeout, "stuck in the transport")
+    # Barrier (every rank waited for the timeout, "stuck in the transport"). The last rank,
+    # in Work.wait, describes its call when it finds the difference itself; on a crowded
+    # host a peer's watchdog may end the job first, naming it "another call"
     "barrier_async": ("mpicomm.barrier(async_op=True).wait() if r == n - 1 else mpicomm.barrier()",
                       lambda n: [rf"rank {_not_last(n)}: barrier;",
-                                 rf"rank {n - 1}: barrier, async_op=True\b"]),
+                                 rf"rank {n - 1}: (barrier, async_op=True\b|another call)"]),
 }
 
 
