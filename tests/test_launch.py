@@ -1211,3 +1211,15 @@ def test_other_launcher_failures_are_not_tried_again(tmp_path):
     assert proc.returncode == 213, proc.stderr
     assert "unable to reliably start" in proc.stderr and "starting the job again" not in proc.stderr
     assert len(count.read_text().splitlines()) == 1
+
+@pytest.mark.parametrize("flag", ["--mca", "-mca", "--gmca"])
+def test_cli_mca_options_say_to_set_them_in_the_environment(fake_cli, capsys, flag):
+    # MindSpore's GPU tutorial: mpirun -n 16 --mca btl tcp,self --mca btl_tcp_if_include 192.168.0.0/24 ...
+    code, _ = fake_cli(OMPI5, "-n", "2", flag, "btl_tcp_if_include", "192.168.0.0/24",
+                       "--mca", "btl", "tcp,self", "hello.py")
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err == (f"mpicomm-run: error: {flag} btl_tcp_if_include 192.168.0.0/24: mpicomm-run takes no "
+                       "MCA options; set them in the launch shell as OMPI_MCA_btl_tcp_if_include=192.168.0.0/24 "
+                       "(Open MPI reads OMPI_MCA_* there and passes them to every rank), then run the "
+                       f"mpicomm-run command without its {flag} options\n")

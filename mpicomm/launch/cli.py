@@ -567,10 +567,25 @@ def _wrap_program(args, hosts, nprocs, program, python):
     return program, watch
 
 
+def _mca_hint(argv, options):
+    """The message for mpirun's --mca KEY VALUE among the launcher's options, else None."""
+    for i, tok in enumerate(options):
+        if tok in ("--mca", "-mca", "--gmca", "-gmca"):
+            key, value = (argv[i + 1:i + 3] + ["KEY", "VALUE"])[:2]
+            return (f"{tok} {key} {value}: mpicomm-run takes no MCA options; set them in the launch shell "
+                    f"as OMPI_MCA_{key}={shlex.quote(value)} (Open MPI reads OMPI_MCA_* there and passes "
+                    f"them to every rank), then run the mpicomm-run command without its {tok} options")
+    return None
+
+
 def main(argv=None):
     """Parse the command line, check it, and run the job; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     options, words = split_argv(argv)
+    mca = _mca_hint(argv, options)
+    if mca:
+        print(f"mpicomm-run: error: {mca}", file=sys.stderr)
+        return 2
     try:
         args = _parser().parse_args(options)
     except SystemExit as exc:  # argparse printed usage (or --help); hand back its status
