@@ -154,6 +154,30 @@ def test_oneflow_example_equals_one_process(comm):
 
 
 @pytest.mark.mpi
+def test_oneflow_ddp_keywords(comm):
+    """OneFlow's DistributedDataParallel(module, *, broadcast_buffers, broadcast_parameters,
+    bucket_size, use_bucket): its defaults are what the wrapper does, and the values it
+    cannot do raise on every rank, naming what to write instead."""
+    torch = require_module("torch", TORCH)
+    from mpicomm.torch import DistributedDataParallel as ddp
+    rank = comm.get_rank()
+    torch.manual_seed(100 + rank)
+    m = torch.nn.Linear(3, 2)
+    torch.manual_seed(100)
+    want = [p.detach().clone() for p in torch.nn.Linear(3, 2).parameters()]   # rank 0's draw
+    w = ddp(m, broadcast_buffers=True, broadcast_parameters=True, use_bucket=True)
+    assert all(torch.equal(p, q) for p, q in zip(w.module.parameters(), want))
+    for kw, says in ((dict(broadcast_parameters=False), "always starts every rank from rank 0's parameters"),
+                     (dict(use_bucket=False), "give bucket_cap_mb=0"),
+                     (dict(bucket_size=10), "bucket_cap_mb=25.0 by default"),
+                     (dict(use_bucket=1), "True or False")):
+        with pytest.raises(InvalidArgumentError, match=f"invalid {next(iter(kw))}=") as info:
+            ddp(torch.nn.Linear(3, 2), **kw)
+        assert says in str(info.value)
+    comm.barrier()
+
+
+@pytest.mark.mpi
 def test_paddle_example_equals_one_process(comm):
     mod = _script("port_paddle")
     n = comm.get_group_size()

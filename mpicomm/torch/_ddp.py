@@ -28,7 +28,7 @@ from .._objects import all_gather_small
 from .._state import CTX, get_group
 from ..errors import InvalidArgumentError, TypeOf, invalid
 from ..training.families import TORCH
-from ..training.fused import broadcast_parameters
+from ..training.fused import broadcast_parameters as _broadcast_parameters
 from ._device import select_local_device
 from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, GatherContext, check_mode
@@ -99,6 +99,21 @@ class _BufferSync:
                     TORCH.copy_out(bs, views)
 
 
+def _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size):
+    """OneFlow's DistributedDataParallel(module, *, broadcast_buffers, broadcast_parameters,
+    bucket_size, use_bucket): accept what this wrapper does, refuse the rest saying what to write."""
+    if not _flag("broadcast_parameters", broadcast_parameters):
+        raise invalid("broadcast_parameters", False, "True or left out: the wrapper always starts every rank "
+                      "from rank 0's parameters (OneFlow's broadcast_parameters=True, PyTorch's DDP)")
+    if not _flag("use_bucket", use_bucket):
+        raise invalid("use_bucket", False, "True or left out; for one all_reduce per parameter (OneFlow's "
+                      "use_bucket=False) give bucket_cap_mb=0")
+    if bucket_size is not None:
+        raise invalid("bucket_size", bucket_size, "left out: OneFlow's bucket_size counts parameters per "
+                      "bucket, mpicomm sizes buckets in MiB: bucket_cap_mb=25.0 by default (0: one "
+                      "all_reduce per parameter)")
+
+
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over mpicomm's group.
 
@@ -137,6 +152,10 @@ class DistributedDataParallel(nn.Module):
         and step. (Modules with max_norm, scale_grad_by_freq or sparse=True keep
         autograd's path.)
     group: the mpicomm group to train over (None: the world).
+    broadcast_parameters, use_bucket, bucket_size: OneFlow's DDP keywords. True (their
+        default) for the first two is what this wrapper does; ``broadcast_parameters=False``,
+        ``use_bucket=False`` and any ``bucket_size`` (OneFlow counts parameters per bucket)
+        raise InvalidArgumentError saying what to write instead (``bucket_cap_mb``).
     optimizer, overlap_step: with ``overlap_step=True``, ``optimizer`` (a torch.optim
         optimizer over the model's trainable parameters: SGD, Adam, AdamW and the other
         per-parameter ones) is applied by backward itself, bucket by bucket, as each
@@ -162,8 +181,10 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, device_ids=None, output_device=None, *, bucket_cap_mb=25.0,
                  gradients_mean=True, compression=None, find_unused_parameters=False,
                  broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None, optimizer=None,
-                 overlap_step=False, gradient_as_bucket_view=True):
+                 overlap_step=False, gradient_as_bucket_view=True, broadcast_parameters=True, use_bucket=True,
+                 bucket_size=None):
         super().__init__()
+        _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size)
         # what a copy (copy.deepcopy, pickle) is rebuilt from (__getstate__)
         self._ctor = dict(bucket_cap_mb=bucket_cap_mb, gradients_mean=gradients_mean, compression=compression,
                           find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
@@ -213,7 +234,7 @@ class DistributedDataParallel(nn.Module):
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
             if every:
-                broadcast_parameters(every, root=0, group=group)
+                _broadcast_parameters(every, root=0, group=group)
         self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
                                               fusion_config=fusion_config, compression=compression, group=group,
                                               fp32_sync=False)   # (PyTorch's DDP: in the gradients' dtype)
