@@ -34,6 +34,18 @@ _LAZY = {
     "DistributedSampler": "training.sampler", "DistributedBatchSampler": "training.sampler",
 }
 
+_NO_MODES = ("has no counterpart: mpicomm has no execution modes, and the device follows the backend "
+             "init() takes; leave the line out")
+# MindSpore names that a script ported with `import mpicomm as ms` may still use
+_NOT_HERE = {
+    "set_context": _NO_MODES, "GRAPH_MODE": _NO_MODES, "PYNATIVE_MODE": _NO_MODES,
+    "set_seed": ("has no counterpart: mpicomm owns no random generators; seed your framework as before, "
+                 "and start every rank from rank 0's weights with set_auto_parallel_context("
+                 "parameter_broadcast=True) or mpicomm.broadcast_parameters(params)"),
+    "Tensor": "has no counterpart: mpicomm owns no tensors; pass NumPy or CuPy arrays or PyTorch tensors",
+    "value_and_grad": "has no counterpart: autograd stays your framework's",
+}
+
 
 def __getattr__(name: str) -> Any:
     import importlib
@@ -42,7 +54,9 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"{__name__}.ops")
     mod = _LAZY.get(name)
     if mod is None:
-        raise AttributeError(f"module 'mpicomm' has no attribute {name!r}")
+        hint = _NOT_HERE.get(name)
+        raise AttributeError(f"module 'mpicomm' has no attribute {name!r}"
+                             + (f": MindSpore's {name} {hint} (docs/PORTING.md)" if hint else ""))
     return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
 
 

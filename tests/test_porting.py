@@ -592,3 +592,16 @@ def test_reducer_bucket_cap_is_a_keyword(comm):
     with pytest.raises(TypeError):
         comm.DistributedGradReducer([np.zeros(3)], True, None, 25.0)
     assert comm.DistributedGradReducer([np.zeros(3)], bucket_cap_mb=1).bucket_cap_mb == 1.0
+
+
+@pytest.mark.parametrize("name, says", [("set_context", "leave the line out"), ("GRAPH_MODE", "no execution modes"),
+                                        ("set_seed", "parameter_broadcast=True"), ("Tensor", "owns no tensors"),
+                                        ("value_and_grad", "autograd stays your framework's")])
+def test_mindspore_names_without_a_counterpart_say_so(name, says):
+    # `import mindspore as ms` -> `import mpicomm as ms` leaves ms.set_context(mode=ms.GRAPH_MODE), ms.set_seed(1)
+    with pytest.raises(AttributeError, match=f"^module 'mpicomm' has no attribute '{name}': MindSpore's {name} ") as info:
+        getattr(mpicomm, name)
+    assert says in str(info.value) and str(info.value).endswith("(docs/PORTING.md)")
+    assert not hasattr(mpicomm, name)
+    with pytest.raises(AttributeError, match=r"^module 'mpicomm' has no attribute 'no_such_name'$"):
+        mpicomm.no_such_name
