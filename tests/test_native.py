@@ -205,3 +205,19 @@ def test_stale_build_is_not_used(monkeypatch):
     monkeypatch.setenv("MPICOMM_NATIVE", "1")
     with pytest.raises(ImportError, match="python -m mpicomm._native"):
         _native._load()
+
+
+def test_a_tree_without_a_build_says_how_to_build_it(tmp_path):
+    """A source tree where python -m mpicomm._native has not run (a fresh clone, or `pip install .`
+    followed by a script run from the tree) says where the build is missing and how to make it,
+    not Python's 'partially initialized module ... circular import'."""
+    import shutil
+    shutil.copytree(os.path.dirname(mpicomm.__file__), tmp_path / "mpicomm",
+                    ignore=shutil.ignore_patterns("_callpath.*.so", "_callpath.*.pyd", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "MPICOMM_"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", "import mpicomm._native as n; print(n.active()); print(n.why_not)"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    here = tmp_path / "mpicomm" / "_native"
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        "False", f"not built in {here} (python -m mpicomm._native in the source tree builds it)"], r.stderr

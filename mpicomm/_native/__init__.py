@@ -43,7 +43,10 @@ def _load():
     try:
         from . import _callpath as mod   # type: ignore[attr-defined]
     except ImportError as e:
-        mod, why = None, f"not built ({e})"
+        built = any(f.startswith("_callpath.") and f.endswith((".so", ".pyd")) for f in os.listdir(HERE))
+        # without a build Python says "cannot import name ... (most likely due to a circular import)"
+        mod, why = None, (f"not built ({e})" if built else
+                          f"not built in {HERE} (python -m mpicomm._native in the source tree builds it)")
     else:
         want = source_hash()
         why = None if not want or getattr(mod, "SOURCE", None) == want else \
