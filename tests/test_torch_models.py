@@ -305,3 +305,105 @@ def test_new_gradients_are_copied_into_their_bucket_in_one_launch(comm):
         for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
             assert p.grad.data_ptr() == model._views[model.parameter_names.index(nm)].data_ptr()
+
+
+class Layers(torch.nn.Module):
+    """Four residual layers; which ones a forward goes through is given to it (``use``)."""
+
+    NAMES = ("l0", "l1", "l2", "l3")
+
+    def __init__(self, seed):
+        super().__init__()
+        for nm in self.NAMES:
+            setattr(self, nm, torch.nn.Linear(D, D).double())
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+    def forward(self, x, use):
+        for nm in self.NAMES:
+            if nm in use:
+                x = x + torch.tanh(getattr(self, nm)(x))
+        return x
+
+
+def synced_use(k, q):
+    """The layers rank ``q`` uses in step ``k``'s synchronised backward: in even steps rank 0
+    uses every layer (it misses no parameter, the others miss some); l1 alternates between the
+    ranks; l2 is rank 0's only (the others use none of it); l3 is rank 0's in even steps and
+    no rank's in odd steps."""
+    use = {"l0"}
+    if (q + k) % 2 == 0:
+        use.add("l1")
+    if q == 0:
+        use.add("l2")
+        if k % 2 == 0:
+            use.add("l3")
+    return use
+
+
+def local_use(k, q):
+    """The layers rank ``q`` uses in the micro-batch accumulated under no_sync() before step
+    ``k``'s synchronised one: rank 0 also goes through l3 (which in odd steps no rank uses in
+    the synchronised backward: rank 0's accumulated gradient must still be reduced, everywhere)."""
+    return {"l0", "l3"} if q == 0 else {"l0"}
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["", "no_sync"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap_step"])
+@pytest.mark.parametrize("cap", [0, D * (D + 1) * 8 * 1.5 / 2 ** 20, 25.0], ids=["cap0", "cap2", "cap25"])
+def test_ranks_that_miss_different_parameters(comm, cap, overlap, accumulate):
+    """find_unused_parameters=True where the ranks differ in which parameters get no gradient,
+    one rank missing none (Horovod's test_force_allreduce): every rank's step completes, in
+    every bucket plan; a parameter some rank used gets the average over the ranks (zeros from
+    the others); one no rank used keeps .grad None (and AdamW's weight decay leaves it alone),
+    as DDP; with no_sync(), a gradient accumulated there counts as used (DDP's local_used_map).
+    Compared with one process over every rank's batch; the same parameters on every rank."""
+    n, r = comm.get_group_size(), comm.get_rank()
+    m, ref = Layers(seed=80 + r), Layers(seed=80)
+    if overlap:
+        opt = make_opt("adamw", m.parameters())
+        model = mt.DistributedDataParallel(m, find_unused_parameters=True, bucket_cap_mb=cap, optimizer=opt,
+                                           overlap_step=True)
+    else:
+        model = mt.DistributedDataParallel(m, find_unused_parameters=True, bucket_cap_mb=cap)
+        opt = make_opt("adamw", model.parameters())
+    ref_opt = make_opt("adamw", ref.parameters())
+
+    def batch(k, q, micro):
+        g = torch.Generator().manual_seed(7919 * k + 31 * q + micro)
+        return torch.randn(B, D, generator=g, dtype=torch.float64), torch.randn(B, D, generator=g,
+                                                                                 dtype=torch.float64)
+
+    def loss(net, k, q, micro, use):
+        x, y = batch(k, q, micro)
+        return torch.nn.functional.mse_loss(net(x, use), y)
+
+    for k in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        total = 0
+        if accumulate:
+            with model.no_sync():
+                loss(model, k, r, 1, local_use(k, r)).backward()
+            total = sum(loss(ref, k, q, 1, local_use(k, q)) for q in range(n))
+        loss(model, k, r, 0, synced_use(k, r)).backward()
+        (total + sum(loss(ref, k, q, 0, synced_use(k, q)) for q in range(n))).div(n).backward()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            if q.grad is None:   # no rank used it in this step
+                assert p.grad is None, f"step {k}: {nm} has a gradient where no rank used it"
+            else:
+                assert p.grad is not None, f"step {k}: {nm} has no gradient where some rank used it"
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+        if not overlap:
+            opt.step()
+        ref_opt.step()
+        for (nm, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=f"step {k} {nm}")
+        mine = torch.cat([p.detach().flatten() for p in m.parameters()])
+        for q, other in enumerate(mpicomm.all_gather_object(mine)):
+            assert torch.equal(other, mine), f"step {k}: rank {q}'s parameters differ from rank {r}'s"
+    # (the comparisons above can fail: the layers some rank uses train, the rest stays put)
+    start = Layers(seed=80)
+    assert float((m.l2.weight.detach() - start.l2.weight.detach()).abs().max()) > 1e-3

@@ -137,7 +137,7 @@ class DistributedDataParallel(nn.Module):
     find_unused_parameters: what happens to a trainable parameter that gets no gradient
         in a step: True reduces it as zeros (its ``.grad`` is then the other ranks'
         average; where no rank gave it a gradient, its ``.grad`` stays None, as DDP leaves
-        it, so that the optimizer skips it); False (default) finishes the step the same way, so no rank waits, and
+        it, so that the optimizer skips it; one accumulated under no_sync() counts); False (default) finishes the step the same way, so no rank waits, and
         then raises InvalidArgumentError naming the parameters. The parameters are those
         trainable at construction: freeze layers (requires_grad=False) before wrapping.
     broadcast_buffers: broadcast rank 0's buffers before every forward that will be
@@ -392,19 +392,38 @@ class DistributedDataParallel(nn.Module):
         self._in_backward = False
         red = self.reducer
         missing = red.pending()
-        # parameters no rank gave a gradient keep .grad None, as DDP leaves them (an optimizer
-        # then skips them); a parameter some rank used gets the reduced gradient everywhere
-        unused = self._unused_everywhere(missing) if self.find_unused_parameters else ()
-        with torch.no_grad():
-            for i in missing:  # no gradient this step: reduced as zeros, on every rank alike
-                p, v = self._params[i], self._views[i]
-                g = p.grad
-                if g is None:
-                    v.zero_()
-                elif _other_tensor(g, v):
-                    v.copy_(_dense(g))
-                p.grad = None if g is None and i in unused else v
-                red.mark_ready(i)
+        # No gradient this step: reduced as zeros (or as what no_sync() accumulated), in
+        # bucket order, BEFORE any exchange: a rank that missed nothing has launched every
+        # bucket during backward, so every rank must launch its remaining buckets first to
+        # issue the same collectives in the same order (as DDP, whose used-parameter bitmap
+        # is reduced after the last bucket).
+        none = {i for i in missing if self._params[i].grad is None}   # (no_sync() gave the rest one)
+        held = []
+        hold = self._overlap is not None and bool(none) and self.find_unused_parameters
+        if hold:
+            # the overlapped updates of the buckets landing meanwhile wait until it is known
+            # which parameters no rank used (those keep .grad None, so the optimizer skips them)
+            red.set_bucket_hook(lambda idx, stream: held.append((idx, stream)))
+        try:
+            with torch.no_grad():
+                for i in missing:
+                    p, v = self._params[i], self._views[i]
+                    if i in none:
+                        v.zero_()
+                    elif _other_tensor(p.grad, v):
+                        v.copy_(_dense(p.grad))
+                    p.grad = v
+                    red.mark_ready(i)
+            # parameters no rank gave a gradient keep .grad None, as DDP leaves them (an
+            # optimizer then skips them); one some rank used gets the reduced gradient everywhere
+            if self.find_unused_parameters:
+                for i in self._unused_everywhere(sorted(none)):
+                    self._params[i].grad = None
+        finally:
+            if hold:
+                red.set_bucket_hook(self._overlap)
+        for idx, stream in held:
+            self._overlap(idx, stream)
         red.wait()   # (on GPUs also for the overlapped updates: queued on the reductions' streams)
         gathered = self._emb.finish(self._views, 1.0 / self._size if red.mean else 1.0)
         if missing and gathered:
@@ -419,7 +438,8 @@ class DistributedDataParallel(nn.Module):
     def _unused_everywhere(self, missing):
         """The parameters that got no gradient on any rank this step (a host exchange of
         each rank's list, every synchronised backward with find_unused_parameters, as DDP's
-        bitmap all_reduce); gathered embedding rows count as a gradient."""
+        bitmap all_reduce, after every bucket is launched); gathered embedding rows count as
+        a gradient. ``missing``: this rank's parameters with no gradient (``.grad`` None)."""
         gathered = {c.index for c in self._emb.launched}
         mine = [i for i in missing if i not in gathered]
         if self._size == 1:
