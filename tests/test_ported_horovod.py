@@ -50,10 +50,10 @@ Horovod test -> mpicomm call ported here:
 - DistributedOptimizer (test_gradient_clipping, test_force_allreduce's model): the equivalent
   is ``mpicomm.torch.DistributedDataParallel``: gradients are averaged during backward, so a
   plain optimizer steps on them; compared with one process stepping on every rank's loss.
-  test_force_allreduce itself (rank 0's loss leaves fc3 without a gradient, the others' use
-  it) is not ported: with find_unused_parameters=True the wrapper's end-of-backward exchange
-  of the unused lists comes before fc3's bucket on rank 0 and after it on the others, and
-  the job ends (a bug, reported with this port).
+- test_force_allreduce (rank 0's loss leaves fc3 without a gradient, the others' use it):
+  ``DistributedDataParallel(find_unused_parameters=True)``, over the optimizers above (Horovod
+  loops over every torch.optim class), compared with one process; at one rank (Horovod skips
+  it) fc3 keeps .grad None.
 
 Not ported (no equivalent in mpicomm): prescale/postscale factors, the ``*_grad`` tests
 (mpicomm's collectives are not autograd functions: a tensor that requires grad gives a
@@ -688,5 +688,48 @@ def test_distributed_optimizer_and_clipping(comm, name):
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(torch.equal(row, flat) for row in mpicomm.all_gather(flat[None]))
+
+
+def _force_loss(net, k, step):
+    """test_force_allreduce's losses: rank 0's uses the first output only (fc3 gets no
+    gradient there), the other ranks' the second (every parameter); each on its own batch."""
+    x, y = _batch(2000 * step + k)
+    y1, y2 = net(x.double())
+    return torch.nn.functional.mse_loss(y1 if k == 0 else y2, y.double(), reduction="sum")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_force_allreduce(comm, name):
+    """test_force_allreduce: rank 0 leaves fc3 without a gradient, the other ranks use it;
+    with find_unused_parameters=True every rank's step completes (rank 0 reduces fc3 as
+    zeros, as DDP), fc3's gradient is the others' sum / n, and after three steps the
+    parameters equal one process's on every rank's loss, on every rank. At one rank no rank
+    uses fc3: its .grad stays None and the optimizer leaves it alone (Horovod skips one rank).
+    In float64 (the losses are sums: RMSprop magnifies float32's other summation order)."""
+    import mpicomm.torch as mt
+
+    n, r = nr()
+    model = mt.DistributedDataParallel(Net2(seed=50 + r).double(), find_unused_parameters=True, bucket_cap_mb=0)
+    opt = OPTIMIZERS[name](model.parameters(), 0.05)
+    ref = Net2(seed=50).double()
+    ref_opt = OPTIMIZERS[name](ref.parameters(), 0.05)
+    fc3 = ref.fc3.weight.detach().clone()
+    for step in range(3):
+        opt.zero_grad()
+        _force_loss(model, r, step).backward()
+        ref_opt.zero_grad()
+        sum(_force_loss(ref, k, step) for k in range(n)).div(n).backward()
+        for (nm, p), q in zip(model.module.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                assert n == 1 and nm.startswith("fc3.") and p.grad is None, nm
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-9, msg=f"step {step} {nm}")
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-9, atol=1e-9)
+    assert torch.equal(model.module.fc3.weight.detach(), fc3) == (n == 1)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert all(torch.equal(row, flat) for row in mpicomm.all_gather(flat[None]))
