@@ -18,7 +18,7 @@ from ._dtypes import dtype_of
 from ._ops import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
-                                   SPEC_SLOTS)
+                                   SPEC_SLOTS, reason_tag)
 from ._timing import TIMING
 from .errors import CollectiveMismatchError
 
@@ -204,7 +204,7 @@ class AgreementPaths:
         from ._reliability.agreement import poison_index, poison_word
 
         rel = self.rel
-        rel.progress.set_reason(text)
+        rel.progress.set_reason(text, tag=reason_tag(self.group.name, seq))
         me = self.group.ranks[self.group.rank]
         if self.slots is None:
             return
@@ -297,7 +297,7 @@ class AgreementPaths:
                     break
                 time.sleep(0.002)
             fresh = None if fresh is ... else fresh
-        return p.reason_of(who), fresh
+        return p.reason_of(who, tag=reason_tag(g.name, k)), fresh
 
     def _answer(self, k, upto=None):
         """Publish this rank's call ``k`` (a report about it came): the reporter describes it,
@@ -366,7 +366,7 @@ class AgreementPaths:
             sw = sp.words() if sp is not None else (spec_words(rows[peer], seq) if st == "ahead" else None)
             refused = st == "refused"
             other = PeerSpec(sw).describe(mine) if sw is not None else \
-                f"refused the call ({self.rel.progress.reason_of(wr) or 'its reason not published'})" if refused \
+                f"refused the call ({self.rel.progress.reason_of(wr, tag=reason_tag(g.name, seq)) or 'its reason not kept'})" if refused \
                 else "another call (not described)"
             what = f"; differs in {mine.diff(PeerSpec(sw))}" if sw is not None and mine is not None else ""
             calls.append(f"rank {wr}: {other}{what}")
@@ -377,7 +377,7 @@ class AgreementPaths:
         text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
                 + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
                 "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
-        self.rel.progress.set_reason(text)
+        self.rel.progress.set_reason(text, tag=reason_tag(g.name, seq))
         self._decide(seq, fresh)
         self._after(seq, fresh)
         raise CollectiveMismatchError(text)
@@ -393,7 +393,7 @@ class AgreementPaths:
         # the words first (a member that sees the refusal reads them at once), then the refusal
         text = (f"{self._me()} refused {name} sequence {seq} on group {g.name!r}: {type(e).__name__}: {e}"
                 if e is not None else reason)
-        self.rel.progress.set_reason(text)
+        self.rel.progress.set_reason(text, tag=reason_tag(g.name, seq))
         w = seq << 32 | REFUSED
         m[self.cb + (seq & CALLS_MASK)] = w
         if self.shr is not None:
@@ -528,7 +528,7 @@ class AgreementPaths:
             return   # call when it gets there; a report across hosts is raised after call k returns
         self._poison_cas(word, 0)
         if k == seq:     # before taking part: refuse it too
-            reason = report_of(self.rel.progress, word) or f"rank {who} reported a disagreement in call {k}"
+            reason = report_of(self.rel.progress, word, self.group.name) or f"rank {who} reported a disagreement in call {k}"
             m[b] = seq << 4 | code
             own = None
             if call is not None:
@@ -563,7 +563,7 @@ class AgreementPaths:
         late = (f" [{self._me()} had returned from call {k} before the report came; it raises it in its "
                 f"next call, {NAMES.get(code, '?')} sequence {seq}, and takes no part in that]") \
             if not word & ACROSS else f" [{self._me()} was past call {k}, after which the others raise this]"
-        err = _peer_error((report_of(self.rel.progress, word) or f"rank {who} reported a disagreement in call {k}")
+        err = _peer_error((report_of(self.rel.progress, word, self.group.name) or f"rank {who} reported a disagreement in call {k}")
                           + late)
         try:   # refused at once: members already inside call seq are stood in for without delay
             self.refuse(seq, code, err, None)
@@ -640,7 +640,7 @@ class AgreementPaths:
         m[b + AT_DONE] = seq << 4 | code
         if word & ACROSS:   # every member made call k as usual: the group needs nothing more
             self._raised_here(k)
-            raise _peer_error((report_of(self.rel.progress, word) or f"rank {who} found that calls differ between "
+            raise _peer_error((report_of(self.rel.progress, word, self.group.name) or f"rank {who} found that calls differ between "
                                "hosts") + f" [raised after call {k}, on every rank of the group]")
         self._answer(k, seq)
         reason, resync = self._decision(who, k)

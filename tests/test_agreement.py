@@ -11,6 +11,7 @@ rank (nothing of the failed call is left over).
 Cases that end the job instead (a rank blocked in a call that cannot complete) are in
 test_agreement_jobs.py.
 """
+import re
 import time
 
 import numpy as np
@@ -232,6 +233,76 @@ def test_wrong_out_shape_on_one_rank(multi):
     out = np.empty(7 if r == bad else 8)
     err = _run_case(n, r, lambda: mpicomm.all_reduce(x, out=out), 700)
     assert "out" in str(err), err
+
+
+def _sequence_of(err):
+    """The sequence number a member's error names ('... sequence 12 on group ...')."""
+    m = re.search(r"sequence (\d+) on group", str(err))
+    assert m, err
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("times", [2, 3])
+def test_refusals_in_a_row_each_named_on_the_others(multi, times):
+    """One rank refuses ``times`` calls in a row (a wrong out shape, another each time) while the
+    others make them correctly: each of the others' errors names its own call (the refusing
+    rank's report of that call: its shape, and sequence numbers one apart), never the report of
+    a later refusal that the refusing rank made before the others read the first."""
+    n, r = multi
+    bad = _other(n, 18)
+    x = np.random.default_rng(r).standard_normal(6).astype(np.float32)
+    shapes = [5 - i for i in range(times)]
+    errs = []
+    for s in shapes:
+        _, e, took = _attempt(lambda: mpicomm.all_reduce(x, out=np.zeros(s, np.float32)) if r == bad
+                              else mpicomm.all_reduce(x))
+        assert e is not None and took < _limit(), (s, e)
+        errs.append(e)
+    for s, e in zip(shapes, errs):
+        assert isinstance(e, InvalidArgumentError) and f"out.shape=({s},)" in str(e), (s, e)
+        if r != bad:
+            assert f"rank {bad} refused all_reduce sequence" in str(e), e
+    if r != bad:
+        seqs = [_sequence_of(e) for e in errs]
+        assert seqs == list(range(seqs[0], seqs[0] + times)), [str(e) for e in errs]
+        everyone = MPI.COMM_WORLD.allgather(seqs)   # (the test's own exchange)
+    else:
+        everyone = MPI.COMM_WORLD.allgather(None)
+    assert len({tuple(q) for q in everyone if q is not None}) == 1, everyone
+    _verify(n, r, 760 + times)
+
+
+def test_refused_broadcast_then_all_reduce_each_named(multi):
+    """The last rank refuses a broadcast (a read-only x) and then an in-place all_reduce (a
+    read-only out): the members' errors in the broadcast name the broadcast and its reason, not
+    the all_reduce's (the root may have returned from the broadcast: it raises a report in its
+    all_reduce)."""
+    n, r = multi
+    bad = n - 1
+    x = np.random.default_rng(r).standard_normal(4)
+    sent = np.random.default_rng(0).standard_normal(4)
+    y = np.random.default_rng([r, 1]).standard_normal(3)
+    if r == bad:
+        x.flags.writeable = False
+        y.flags.writeable = False
+    res, e1, t1 = _attempt(lambda: mpicomm.broadcast(x, root=0))
+    _, e2, t2 = _attempt(lambda: mpicomm.all_reduce(y, out=y))
+    assert e2 is not None and t2 < _limit(), e2
+    if e1 is None:   # the root, whose broadcast was over before the report came (its all_reduce
+        # raises that report, or where the report of the all_reduce came first, that one)
+        assert r == 0 and np.array_equal(res, sent), (r, res)
+        assert f"rank {bad} refused broadcast sequence" in str(e2) or f"rank {bad} refused all_reduce sequence" \
+            in str(e2), e2
+        assert "writable" in str(e2), e2
+    else:
+        assert t1 < _limit(), e1
+        assert "writable" in str(e1) and "writable" in str(e2), (e1, e2)
+        if r != bad:
+            assert f"rank {bad} refused broadcast sequence" in str(e1), e1
+            assert f"rank {bad} refused all_reduce sequence" in str(e2) \
+                or (r == 0 and f"rank {bad} refused broadcast sequence" in str(e2)), e2
+            assert _sequence_of(e2) in (_sequence_of(e1), _sequence_of(e1) + 1), (e1, e2)
+    _verify(n, r, 790)
 
 
 def test_refusal_against_a_barrier(multi):

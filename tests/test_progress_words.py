@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mpicomm._reliability import agreement as agr
-from mpicomm._reliability.progress import ENTERED, F, SPEC_AT, SPEC_N, SPEC_SLOTS, SPECSEQ, Progress
+from mpicomm._reliability.progress import (ENTERED, F, HDR, REASON_SIZE, REASON_SLOTS, REASON_WORDS, REASONS, SPEC_AT,
+                                           SPEC_N, SPEC_SLOTS, SPECSEQ, Progress, reason_tag)
 
 N_ADDS = 300
 
@@ -185,3 +186,55 @@ def test_decisions_are_kept_per_call():
         for j in calls:
             got = agr.decision_in(words, j)
             assert got == (fresh[j] if k - SPEC_SLOTS < j <= k else None), (k, j, got)
+
+
+def _private_progress():
+    """A Progress with a private table (no RMA window): this rank reads its own words."""
+    p = Progress.__new__(Progress)
+    p.win, p.wrank, p.lock, p._reasons_written = None, 0, threading.Lock(), 0
+    p.m = memoryview(bytearray(8 * HDR)).cast("q")
+    for i in range(HDR):
+        p.m[i] = 0
+    return p
+
+
+def test_reports_are_kept_per_call():
+    """A rank's agreement reports (refusals, disagreements) are kept per call, its last
+    REASON_SLOTS: a member asking for call k's report gets that call's text, or None once it
+    is gone, never another call's (of this group or another); a report rewritten for the same
+    call (completed) keeps its slot."""
+    rng = np.random.default_rng(10)
+    p = _private_progress()
+    calls = [("world", k) for k in range(30, 30 + 2 * REASON_SLOTS)] + [("other", 33)]
+    texts = {c: f"rank 0 refused call {c[1]} of {c[0]}: {rng.integers(1 << 40)}" for c in calls}
+    done = []
+    for c in calls:
+        p.set_reason(texts[c], tag=reason_tag(*c))
+        done.append(c)
+        for k in calls:
+            got = p.reason_of(0, tag=reason_tag(*k))
+            assert got == (texts[k] if k in done[-REASON_SLOTS:] else None), (c, k, got)
+    # the newest call's report completed: its slot is taken again, the others stay
+    p.set_reason(texts[calls[-1]] + " (completed)", tag=reason_tag(*calls[-1]))
+    assert p.reason_of(0, tag=reason_tag(*calls[-1])) == texts[calls[-1]] + " (completed)"
+    for k in calls[-REASON_SLOTS:-1]:
+        assert p.reason_of(0, tag=reason_tag(*k)) == texts[k], k
+    assert p.latest_reason_of(0, "world") == texts[calls[-2]]
+    assert p.latest_reason_of(0, "world", before=calls[-2][1]) == texts[calls[-3]]
+    assert p.latest_reason_of(0, "nowhere") is None
+    # a long text is cut to fit its slot, and the next slot's words are untouched
+    p.set_reason("x" * (8 * REASON_WORDS + 40), tag=reason_tag("world", 99))
+    assert p.reason_of(0, tag=reason_tag("world", 99)) == "x" * (8 * REASON_WORDS)
+
+
+def test_a_report_copied_while_it_is_written_is_not_taken():
+    """reason_of takes a slot only where its first and last words (the write's number) agree:
+    a copy taken halfway through a rewrite, even of the same call's report, is refused."""
+    p = _private_progress()
+    tag = reason_tag("world", 7)
+    p.set_reason("first text of call 7", tag=tag)
+    at = next(REASONS + i * REASON_SIZE for i in range(REASON_SLOTS) if p.m[REASONS + i * REASON_SIZE + 1] == tag)
+    p.m[at + REASON_SIZE - 1] = p.m[at] + 1   # a rewrite has begun: the end's number first
+    p.m[at + 3] = int.from_bytes(b"SECOND t", "little")
+    assert p._reasons(0, lambda t: t == tag) == []   # (read again for a while, then given up)
+    assert p.reason_of(0, tag=tag) is None

@@ -41,7 +41,7 @@ import numpy as np
 
 from .._callspec import REFUSED
 from .progress import (CALLS_N, DECIDED, ENTERED, DONE, EPOCH, GHASH, MEMBERS, POISON, REPORTED, ROWS, SPEC_AT, SPEC_N, SPEC_SLOTS,
-                       F, HDR, calls_base, checkpoints)
+                       F, HDR, calls_base, checkpoints, reason_tag)
 
 # calls kept in the host-shared copy of each row's ring: a rank compares its call with a host
 # neighbour's word for the same call, so the copy must hold every call a rank can be ahead of a
@@ -70,10 +70,11 @@ def poison_fields(word):
     return word >> 24, (word & (ACROSS - 1)) - 1
 
 
-def report_of(progress, word):
-    """The text of the report a POISON word is about (the reporter's words), or None."""
+def report_of(progress, word, name):
+    """The text of the report a POISON word of group ``name``'s row is about (the reporter's
+    words about that call), or None (none, or no longer kept)."""
     k, who = poison_fields(word)
-    return progress.reason_of(who, across=bool(word & ACROSS))
+    return progress.reason_of(who, across=bool(word & ACROSS), tag=reason_tag(name, k))
 
 
 class HostRings:

@@ -32,9 +32,9 @@ from .abort import quiet
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
 # waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
-# this rank's watchdog for its Python stack. The agreement report is the text of the last
-# disagreement or refusal this rank found or made (mpicomm._reliability.agreement): the
-# ranks it tells read it from here.
+# this rank's watchdog for its Python stack. The agreement reports are the texts of the last
+# REASON_SLOTS disagreements or refusals this rank found or made (mpicomm._reliability.agreement),
+# one slot per call: the ranks it tells read the one of the call they ask about from here.
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 EXITED = 2
 XSTATUS = 3
@@ -43,11 +43,21 @@ DUMP = 7
 REPLAYS = 8
 REPLAY_KEY = 9
 REPLAY_WAIT = 10
-REASON_LEN = 11
-REASON = 12
+# The agreement reports: REASON_SLOTS slots of REASON_SIZE words from REASONS, each [its write's
+# number, its call's tag (reason_tag: the group and the sequence number), the text's length in
+# bytes, REASON_WORDS words of UTF-8 text, the write's number again]: the end's number written
+# first, the first word last, so that a reader (which copies the slots in order) takes a text only
+# where the two agree (a seqlock, as for SPEC below: never half of one text and half of another,
+# even of one call's text rewritten). A call takes the slot that holds its tag already (its report
+# rewritten, e.g. completed), else the one written longest ago: the reports of the last REASON_SLOTS calls
+# this rank reported stay, and a reader asking for an older one finds it gone instead of reading
+# another call's text (Progress.set_reason, reason_of).
 REASON_WORDS = 64
-XREASON_LEN = REASON + REASON_WORDS    # the last report of the comparison across hosts that this
-XREASON = XREASON_LEN + 1              # rank told its group's members (the same layout)
+REASON_SLOTS = 4
+REASON_SIZE = REASON_WORDS + 4
+REASONS = 11
+XREASON_LEN = REASONS + REASON_SLOTS * REASON_SIZE   # the last report of the comparison across hosts
+XREASON = XREASON_LEN + 1              # that this rank told its group's members: its length, its text
 HDR = XREASON + REASON_WORDS
 ROWS = 256         # groups published per rank (the last row is a shared, unpublished overflow)
 # entered/done hold (sequence number << 4 | collective code); a collective is in progress
@@ -143,6 +153,11 @@ def ghash(name):
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
+def reason_tag(name, seq):
+    """The tag of an agreement report (see REASONS): about call ``seq`` of the group ``name``."""
+    return int(seq) << 32 | ghash(name)
+
+
 def members_hash(ranks):
     """The MEMBERS word of a group of these world ranks."""
     return zlib.crc32(",".join(map(str, ranks)).encode()) & 0x7FFFFFFF
@@ -193,6 +208,7 @@ class Progress:
         self._free = []                  # rows of destroyed groups
         self._late = []                  # (request, buffer) of RMA reads not answered in time
         self.lock = threading.Lock()     # the atomic word operations where there is no RMA window
+        self._reasons_written = 0        # the reports set_reason wrote (each slot's write number)
         self.win = None
         self.comm = None
         try:
@@ -385,25 +401,73 @@ class Progress:
         self._late = [(r, b) for r, b in self._late if not _done(r)]
         self._late.append((q, buf))
 
-    def set_reason(self, text, across=False):
-        """Publish the text of this rank's last agreement report (truncated to fit); with
-        ``across``, of the last report of its comparison across hosts (a slot of its own: the
-        members read it while this rank may be reporting a refusal of its own)."""
+    def set_reason(self, text, across=False, tag=0):
+        """Publish the text (truncated to fit) of this rank's agreement report about the call
+        of ``tag`` (reason_tag(group, seq)), in that call's slot (see REASONS); with ``across``,
+        of the last report of its comparison across hosts (a slot of its own: the members read
+        it while this rank may be reporting a refusal of its own)."""
         b = text.encode()[:REASON_WORDS * 8]
         raw = np.zeros(REASON_WORDS, np.int64)
         raw.view(np.uint8)[:len(b)] = np.frombuffer(b, np.uint8)
-        at = XREASON_LEN if across else REASON_LEN
-        for i in range(REASON_WORDS):
-            self.m[at + 1 + i] = int(raw[i])
-        self.m[at] = len(b)
+        m = self.m
+        if across:
+            for i in range(REASON_WORDS):
+                m[XREASON + i] = int(raw[i])
+            m[XREASON_LEN] = len(b)
+            return
+        with self.lock:   # (one writer at a time: the main thread and the watchdog both report)
+            ats = [REASONS + i * REASON_SIZE for i in range(REASON_SLOTS)]
+            at = next((a for a in ats if m[a + 1] == tag and m[a]), None)
+            if at is None:   # (else the one written longest ago)
+                at = min(ats, key=lambda a: m[a])
+            self._reasons_written += 1
+            v = self._reasons_written
+            m[at + REASON_SIZE - 1] = v   # (first: a reader copying the slot meanwhile sees it differ)
+            m[at + 1] = tag
+            m[at + 2] = len(b)
+            for i in range(REASON_WORDS):
+                m[at + 3 + i] = int(raw[i])
+            m[at] = v
 
-    def reason_of(self, rank, across=False):
-        """World ``rank``'s last agreement report (``across``: of its comparison across
-        hosts), or None."""
-        w = self.read_words(rank, XREASON_LEN if across else REASON_LEN, 1 + REASON_WORDS)
-        n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
-        return w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
-            if w is not None and 0 < n <= REASON_WORDS * 8 else None
+    def reason_of(self, rank, across=False, tag=None):
+        """World ``rank``'s agreement report about the call of ``tag`` (reason_tag(group, seq)),
+        or None where it has none for that call (never reported, or no longer kept: another
+        call's text is never returned). ``across``: its last report of the comparison across
+        hosts (``tag`` not used)."""
+        if across:
+            w = self.read_words(rank, XREASON_LEN, 1 + REASON_WORDS)
+            n = int(w[0]) & 0xFFFFFFFF if w is not None else 0
+            return w[1:].view(np.uint8)[:n].tobytes().decode(errors="replace") \
+                if w is not None and 0 < n <= REASON_WORDS * 8 else None
+        got = self._reasons(rank, lambda t: t == tag)
+        return got[0][1] if got else None
+
+    def latest_reason_of(self, rank, name, before=None):
+        """World ``rank``'s latest kept report about a call of group ``name`` (with ``before``:
+        of a call before that one), or None."""
+        gh = ghash(name)
+        got = self._reasons(rank, lambda t: t & 0xFFFFFFFF == gh and (before is None or t >> 32 < before))
+        return max(got)[1] if got else None
+
+    def _reasons(self, rank, want):
+        """[(tag, text)] of world ``rank``'s kept reports whose tag ``want`` takes (read again
+        for a while where a slot is being written: a report being completed is not missed)."""
+        for _ in range(20):
+            w = self.read_words(rank, REASONS, REASON_SLOTS * REASON_SIZE)
+            if w is None:
+                return []
+            got, busy = [], False
+            for i in range(REASON_SLOTS):
+                s = w[i * REASON_SIZE:(i + 1) * REASON_SIZE]
+                t, n = int(s[1]), int(s[2]) & 0xFFFFFFFF
+                if int(s[0]) != int(s[-1]):
+                    busy = True
+                elif s[0] and want(t) and 0 < n <= REASON_WORDS * 8:
+                    got.append((t, s[3:3 + REASON_WORDS].view(np.uint8)[:n].tobytes().decode(errors="replace")))
+            if got or not busy:
+                return got
+            time.sleep(0.002)
+        return []
 
     def remove(self, g):
         b = self.rows.pop(g, None)

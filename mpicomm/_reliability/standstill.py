@@ -33,7 +33,8 @@ class Standstills:
         first = self._refused_seen.setdefault(key, time.monotonic())
         if time.monotonic() - first < TIMING.refusal_wait:
             return False
-        why = self.progress.reason_of(self.progress.wrank) or "an earlier disagreement"
+        why = self.progress.latest_reason_of(self.progress.wrank, g.name, before=seq)\
+            or "an earlier disagreement"
         return self._fire_mismatch(g, seq, f"after {why}: this rank makes the group's fresh communicator at "
                                    f"the start of call {seq}, which rank(s) {', '.join(map(str, apart))} entered on "
                                    "the old one (before the report reached them, or the members decided "

@@ -29,7 +29,7 @@ from .standstill import Standstills
 from .diagnosis import Diagnosis, describe_array
 from .progress import (DUMP, REPLAY_WAIT, REPLAYS, ENTERED, EXITED, P2P, P2P_GH, P2P_TAG, POISON, TDONE, XSTATUS,
                        replay_wait, replay_wait_fields,
-                       ghash, p2p_fields)
+                       ghash, p2p_fields, reason_tag)
 from .stacks import Stacks, stack_path
 
 
@@ -263,7 +263,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             # else it marks a fresh communicator due after this rank raised)
             news = k > disp.raised if pw & agr.ACROSS else who != self.progress.wrank
             if news and k < seq and waited >= TIMING.refusal_wait and self._members_go_afresh(g, disp, pw, who):
-                why = agr.report_of(self.progress, pw) or f"rank {who} reported a disagreement in call {k}"
+                why = agr.report_of(self.progress, pw, g.name) or f"rank {who} reported a disagreement in call {k}"
                 return self._fire_mismatch(g, seq, f"{why}; this rank went on to call {seq}, which the "
                                            "others will not make", waited)
             if news and k == seq and not pw & agr.ACROSS and who in g.ranks:   # a member raised inside
@@ -272,7 +272,7 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 if row is not None and agr.ring_word(row, seq)[1] == "entered":   # comes)
                     first = self._refused_seen.setdefault(key, time.monotonic())
                     if time.monotonic() - first >= 2 * TIMING.refusal_wait:
-                        why = agr.report_of(self.progress, pw) or f"rank {who} raised in call {k}"
+                        why = agr.report_of(self.progress, pw, g.name) or f"rank {who} raised in call {k}"
                         return self._fire_mismatch(g, seq, f"{why}; rank {who} left the call, in which this "
                                                    "rank waits for it", waited)
         if key in self._compared and key not in self._refused_seen:
@@ -296,7 +296,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 row = agr.read_row(self.progress, wr, disp.slots[j]) if j != g.rank else None
                 if row is not None and agr.ring_word(row, seq)[1] == "behind":
                     return False
-            why = self.progress.reason_of(self.progress.wrank) or "this rank refused the call"
+            why = (self.progress.reason_of(self.progress.wrank, tag=reason_tag(g.name, seq))
+                   or "this rank refused the call")
             return self._fire_mismatch(g, seq, f"{why}; this rank's stand-in for the members that entered "
                                        "the call does not complete (they left it, or none of them described it)",
                                        waited)
@@ -323,7 +324,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 return False
             first = self._refused_seen.setdefault(key, time.monotonic())
             if time.monotonic() - first >= TIMING.refusal_wait:
-                why = "; ".join(dict.fromkeys(self.progress.reason_of(wr) or f"rank {wr} refused the call"
+                tag = reason_tag(g.name, seq)
+                why = "; ".join(dict.fromkeys(self.progress.reason_of(wr, tag=tag) or f"rank {wr} refused the call"
                                               for wr in refused))   # (each reason once)
                 return self._fire_mismatch(g, seq, why, waited)
             return False
