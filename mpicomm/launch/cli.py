@@ -336,7 +336,7 @@ def _run(argv, env, timeout, watch=None, launch_timeout=None):
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     finally:
         os.close(write)
-    code = _wait(proc, timeout, watch, launch_timeout)
+    code = _wait(proc, env, timeout, watch, launch_timeout)
     try:
         copied = copier.wait(timeout=10)   # at the end of mpirun's stderr (a daemon left holding it: 10 s)
     except subprocess.TimeoutExpired:
@@ -344,7 +344,7 @@ def _run(argv, env, timeout, watch=None, launch_timeout=None):
     return code, copied == 3
 
 
-def _wait(proc, timeout, watch, launch_timeout):
+def _wait(proc, env, timeout, watch, launch_timeout):
     if watch is not None:
         try:
             if not watch.wait(proc, launch_timeout):
