@@ -55,7 +55,7 @@ class AgreementPaths:
         w = seq << 32 | p.sig
         sh = self.shr
         if sh is None or not self.check or p.spec.gpu or async_op or code not in _GATED \
-                or p.spec.sizes is not None or self._shm_path(code, p.spec):   # (per-rank sizes: compared first)
+                or self._shm_path(code, p.spec):
             return self.publish(seq, code, p.sig, p)
         k = seq & HOST_MASK
         sh[self.shb + k] = w
