@@ -230,7 +230,12 @@ class Dispatcher(AgreementPaths):
                     if self.last[code] is not p:   # the group's fresh communicator: p was the old one's
                         return self.run_new(seq, code, None, x, out, arg, async_op, stream)
                 self.mem[self.row] = seq << 4 | code
-                return self.run_gated(seq, code, p, x, out, async_op)
+                w = self.gate(seq, code, p, async_op)
+                try:
+                    r = p.run(x, out)
+                except BaseException as e:
+                    self.raise_in_call(seq, code, e)
+                return self.finish_call(seq, code, w, r, async_op)
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -263,12 +268,6 @@ class Dispatcher(AgreementPaths):
                     known[key] = p
         except BaseException as e:
             self.raise_in_call(seq, code, e)
-        return self.run_gated(seq, code, p, x, out, async_op)
-
-    def run_gated(self, seq, code, p, x, out, async_op):
-        """Call ``seq`` (ENTERED written), prepared as ``p``, of ``call_new`` and ``run_new``:
-        through the gate (which publishes it: ``gate`` in mpicomm._dispatch_checks), run, and
-        finished."""
         w = self.gate(seq, code, p, async_op)
         try:
             r = p.run(x, out)

@@ -15,16 +15,12 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec, same_bytes, standable
 from ._dtypes import dtype_of
-from ._ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER, SCATTER, Sized
+from ._ops import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
                                    SPEC_SLOTS, reason_tag)
 from ._timing import TIMING
 from .errors import CollectiveMismatchError
-
-
-# the collectives the gate is for (AgreementPaths.gate): every rank's part needs every other's
-_GATED = frozenset((ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL))
 
 
 class AgreementPaths:
@@ -39,10 +35,7 @@ class AgreementPaths:
         for the members inside it) instead of starting it. MPI calls that differ in their counts
         can write past their buffers (Open MPI 5's all_reduce of 2000 against 2100 float32
         elements corrupts its heap and aborts), so the check after the call comes too late for
-        them. Only the collectives that no rank can finish before every rank has entered them
-        (_GATED): a broadcast or reduce may be over on ranks that do not wait for this one, which
-        would then stand in for a call they have left. A rank repeating its last call of the
-        collective does not wait: a member that
+        them. A rank repeating its last call of the collective does not wait: a member that
         changed its call waits for it and stands in for it. Nor does a call started with
         async_op=True (a program may start one, then do what the others need before they start
         it: the check after the call catches those).
@@ -54,8 +47,7 @@ class AgreementPaths:
         in for each other. The watchdog watches the wait as the call."""
         w = seq << 32 | p.sig
         sh = self.shr
-        if sh is None or not self.check or p.spec.gpu or async_op or code not in _GATED \
-                or self._shm_path(code, p.spec):
+        if sh is None or not self.check or p.spec.gpu or async_op or self._shm_path(code, p.spec):
             return self.publish(seq, code, p.sig, p)
         k = seq & HOST_MASK
         sh[self.shb + k] = w

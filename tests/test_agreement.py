@@ -123,7 +123,7 @@ def test_dtype_disagreement(multi, coll):
     assert "dtype" in str(err) or "refused" in str(err) or "reported" in str(err), err
 
 
-@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast"])
 @pytest.mark.parametrize("repeat", [False, True], ids=["first-call", "others-repeat"])
 def test_count_disagreement_that_mpi_cannot_survive(multi, coll, repeat):
     """One rank passes 100 elements more (float32, a few KiB), where Open MPI 5's own
@@ -134,9 +134,12 @@ def test_count_disagreement_that_mpi_cannot_survive(multi, coll, repeat):
     that changed its call stands in for them. Ten times in a row."""
     n, r = multi
     bad = _other(n, 13)
+    root = (bad + 1) % n
     c = 2000 * n
-    fn = {"all_reduce": mpicomm.all_reduce, "all_gather": mpicomm.all_gather,
-          "reduce_scatter": mpicomm.reduce_scatter}[coll]
+    fns = {"all_reduce": mpicomm.all_reduce, "all_gather": mpicomm.all_gather,
+           "reduce_scatter": mpicomm.reduce_scatter,
+           "reduce": lambda x: mpicomm.reduce(x, root=root), "broadcast": lambda x: mpicomm.broadcast(x, root=root)}
+    fn = fns[coll]
     for i in range(10):
         rng = np.random.default_rng([r, i])
         if repeat:   # every rank the same call first (checked), then all but one repeat it
@@ -147,7 +150,12 @@ def test_count_disagreement_that_mpi_cannot_survive(multi, coll, repeat):
             else:
                 fn(x)
         x = rng.standard_normal(c + (100 * n if r == bad else 0)).astype(np.float32)
-        err = _run_case(n, r, lambda: fn(x), 300 + 10 * i)
+        sent = x.copy()
+
+        def root_ok(res):   # a broadcast root, over before the report came, returns its own data
+            return coll == "broadcast" and r == root and np.array_equal(res, sent) or \
+                coll == "reduce" and r != root and res is None
+        err = _run_case(n, r, lambda: fn(x), 300 + 10 * i, returns_ok=root_ok)
         assert "element count" in str(err) or "refused" in str(err) or "reported" in str(err), err
 
 
