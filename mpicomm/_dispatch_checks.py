@@ -75,12 +75,7 @@ class AgreementPaths:
         shm = getattr(self.plain(), "shm", None)
         least = None if shm is None else {ALL_REDUCE: "min_all_reduce", REDUCE_SCATTER: "min_reduce_scatter",
                                           ALL_GATHER: "min_all_gather", BROADCAST: "min_broadcast"}.get(code)
-        if least is None:
-            return False
-        try:
-            return spec.count * dtype_of(spec.dtype).itemsize >= getattr(shm, least)
-        except (TypeError, ValueError):   # (no dtype in the description: as the check after the call)
-            return True
+        return least is not None and spec.count * dtype_of(spec.dtype).itemsize >= getattr(shm, least)
 
     def _refuse_differing(self, seq, code, mine):
         """``gate`` found a host member's call ``seq`` differing from this rank's (``mine``, its
