@@ -15,7 +15,7 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec, same_bytes, standable
 from ._dtypes import dtype_of
-from ._ops import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER, SCATTER, Sized
+from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
 from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
                                    SPEC_SLOTS, reason_tag)
@@ -27,94 +27,6 @@ class AgreementPaths:
     """Mixed into Dispatcher: the agreement check's slow paths (see the module docstring)."""
 
     __slots__ = ()
-    def gate(self, seq, code, p, async_op):
-        """Publish call ``seq`` (prepared call ``p``) as ``publish`` does, and return its ring
-        word; first, where this rank's call of collective ``code`` differs from its last one
-        (``call_new``, ``run_new``) on host memory (MPI), wait at a gate until each host member
-        has published its call ``seq``, and where one's differs, refuse the call (standing in
-        for the members inside it) instead of starting it. MPI calls that differ in their counts
-        can write past their buffers (Open MPI 5's all_reduce of 2000 against 2100 float32
-        elements corrupts its heap and aborts), so the check after the call comes too late for
-        them. A rank repeating its last call of the collective does not wait: a member that
-        changed its call waits for it and stands in for it. Nor does a call started with
-        async_op=True (a program may start one, then do what the others need before they start
-        it: the check after the call catches those).
-
-        At the gate the call's word is only in the host-shared ring (what members compare
-        at their gates and after their calls); the row's ring word, which says "entered" to a
-        refusing member deciding whom to stand in for, follows once the gate is passed, or
-        says REFUSED. So two members that both changed their calls, differently, never stand
-        in for each other. The watchdog watches the wait as the call."""
-        w = seq << 32 | p.sig
-        sh = self.shr
-        if sh is None or not self.check or p.spec.gpu or async_op or self._shm_path(code, p.spec):
-            return self.publish(seq, code, p.sig, p)
-        k = seq & HOST_MASK
-        sh[self.shb + k] = w
-        spins = 0
-        deadline = None
-        for pm, pb, j in self.peers:
-            while True:
-                pw = pm[pb + k]
-                if pw >> 32 >= seq:
-                    break
-                spins += 1
-                if spins > 200:   # (a member still on its way: poll, do not burn the core it needs)
-                    if deadline is None:
-                        deadline = time.monotonic() + self._patience()
-                    elif time.monotonic() > deadline:
-                        break
-                    time.sleep(0.0002)
-            if pw >> 32 == seq and pw != w and pw & 0xFFFFFFFF != REFUSED:
-                self._refuse_differing(seq, code, p.spec)
-        return self.publish(seq, code, p.sig, p)
-
-    def _shm_path(self, code, spec):
-        """Whether the call may take mpicomm's shared-memory path (mpicomm/_backends/shm_path.py),
-        which compares the ranks' calls itself before moving data: no gate there."""
-        shm = getattr(self.plain(), "shm", None)
-        least = None if shm is None else {ALL_REDUCE: "min_all_reduce", REDUCE_SCATTER: "min_reduce_scatter",
-                                          ALL_GATHER: "min_all_gather", BROADCAST: "min_broadcast"}.get(code)
-        return least is not None and spec.count * dtype_of(spec.dtype).itemsize >= getattr(shm, least)
-
-    def _refuse_differing(self, seq, code, mine):
-        """``gate`` found a host member's call ``seq`` differing from this rank's (``mine``, its
-        CallSpec) before this rank started it: describe every member's call, then refuse
-        (raises)."""
-        from ._reliability.agreement import publish_spec, read_row, ring_word, spec_words
-
-        g = self.group
-        name = NAMES.get(code, "?")
-        publish_spec(self.mem, self.row, seq, mine)
-        # refused, in both rings, before waiting for anyone (members at their gates pass it, or
-        # refuse too; none waits for this rank to enter)
-        m = self.mem
-        m[self.cb + (seq & CALLS_MASK)] = self.shr[self.shb + (seq & HOST_MASK)] = seq << 32 | REFUSED
-        # tell first (the members' watchdogs then publish their calls of seq), describe after
-        self._tell(seq, f"{name} sequence {seq} on group {g.name!r}: the ranks called differently "
-                        f"({self._me()} found it before starting the call)")
-        rows, known, _ = self._every_call(seq, True)
-        calls = [f"{self._me()}: {mine.describe() if mine is not None else name}"]
-        for jj in sorted(rows):
-            if rows[jj] is None:
-                continue
-            pw, st = ring_word(rows[jj], seq)
-            sp = known.get(pw & 0xFFFFFFFF) if st == "entered" else None
-            if st == "refused":   # (a member that refused it at its gate too described it first)
-                sw = spec_words(rows[jj], seq)
-                if sw is None:   # (read before its description: read again)
-                    row = read_row(self.rel.progress, g.ranks[jj], self.slots[jj])
-                    sw = spec_words(row, seq) if row is not None else None
-                sp = PeerSpec(sw) if sw is not None else None
-            if sp is None:
-                continue
-            what = f"; differs in {mine.diff(sp)}" if sp.words() != mine.words() else ""
-            calls.append(f"rank {g.ranks[jj]}: {sp.describe(mine)}{what}")
-        text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
-                + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
-                "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
-        self.refuse(seq, code, None, text)
-
     def differs(self, seq, code, j, pw):
         """Group rank ``j``'s ring word ``pw`` for call ``seq`` differs from this rank's."""
         self.mem[self.row + AT_DONE] = seq << 4 | code
@@ -326,10 +238,6 @@ class AgreementPaths:
         from ._reliability.agreement import poison_word
 
         self._raised_here(seq)   # (published: the comparison across hosts passes over it)
-        # the next call of each collective passes the gate (call_new): the members that raised
-        # here may repeat their differing calls, and a repeat does not wait there
-        last = self.last
-        last[:] = [NEVER] * len(last)
         if entered and self.rel is not None:   # (NCCL: host arrays' MPI communicator afresh)
             self.resync = True
             # (where a member's report waits, it brings the next call here too)
