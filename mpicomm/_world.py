@@ -232,11 +232,8 @@ def finalize() -> None:
     # receives still held but never waited for
     complete_dropped()
     complete_pending("finalize()")
-    # no more calls from this rank: peers that wait for one say so within seconds (MPI_Win_free
-    # below waits for them to call finalize() too, which they may never do)
-    CTX.reliability.progress.mark_finalized()
     # watched by a timer (the watchdog stops below): a stage past the timeout is reported
-    guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "free_nccl" if CTX.backend_name == "nccl" else "free")
+    guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "free")
     try:
         CTX.reliability.close(free=True)
         for g in list(CTX.groups.values()) + [CTX.world]:

@@ -328,20 +328,6 @@ def main():
 
             cupy.cuda.get_current_stream().synchronize()
         say("finished")
-    elif MODE == "finalize_early":  # the last rank calls finalize() while the others make a call
-        x = arr(rng.standard_normal(4).astype(np.float32))
-        mpicomm.all_reduce(x)
-        if r == n - 1:
-            say("finalizing")
-            mpicomm.finalize()   # (waits for the others to call finalize() too)
-            say("finalized")
-            if os.environ.get("THEN") == "sleep":
-                time.sleep(120)
-            return
-        if os.environ.get("OTHERS") == "busy":   # busy outside mpicomm past the timeout
-            time.sleep(120)
-        mpicomm.all_reduce(x)
-        say("finished")
     elif MODE == "skip_create_group":  # rank 1 never comes to create_group
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
         if r == 1:

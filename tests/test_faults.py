@@ -302,44 +302,6 @@ def test_early_exit_without_sys_exit(how, status):
     nothing_left(token)
 
 
-@pytest.mark.parametrize("then", ["exit", "sleep"])
-def test_finalize_on_one_rank_is_reported_within_seconds(then):
-    """The last rank calls finalize() (then exits, or sleeps) while ranks 0 and 1 wait for it
-    in all_reduce: like a rank that left, they say within seconds, long before the timeout (60 s
-    here), that it called finalize() without reaching the call, and the job ends; nothing says
-    NCCL on the MPI backend."""
-    token = f"faulttoken-{uuid.uuid4().hex}"
-    p, took = run(3, "finalize_early", limit=90, env={"MPICOMM_TIMEOUT": str(LONG), "THEN": then}, token=token)
-    assert took < EARLY, took
-    assert p.returncode != 0, p.stderr
-    assert results(p).get(2, [])[:1] == ["finalizing"] and 0 not in results(p) and 1 not in results(p), p.stdout
-    for r in (0, 1):
-        m = re.search(rf"^[ \t]*\[mpicomm rank {r}\] CommunicationError: (.*)$", p.stderr, re.M)
-        if m is None:   # (the first report aborts the job: the other rank may not get to write its own)
-            continue
-        assert "all_reduce sequence 2 on group 'world'" in m.group(1) and "cannot complete" in m.group(1), m.group(1)
-        assert "Rank 2 has called finalize() without reaching this call" in m.group(1), m.group(1)
-    assert re.search(r"^[ \t]*\[mpicomm rank [01]\] CommunicationError: ", p.stderr, re.M), p.stderr
-    assert re.search(r"^  rank 2: has called finalize\(\) without reaching this call; "
-                     r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
-    assert "NCCL" not in p.stderr and "nccl" not in p.stderr, p.stderr
-    nothing_left(token)
-
-
-def test_finalize_waiting_for_the_others_names_its_stage_without_nccl():
-    """The last rank calls finalize() while the others are busy outside mpicomm past the
-    timeout: its finalize() waits for them (MPI_Win_free) and, at the timeout, names that stage
-    in MPI's terms (no NCCL on the MPI backend), and the job ends."""
-    token = f"faulttoken-{uuid.uuid4().hex}"
-    p, took = run(3, "finalize_early", limit=TIMEOUT + 60, env={"OTHERS": "busy"}, token=token)
-    assert p.returncode != 0 and took < TIMEOUT + SLACK, (p.returncode, took)
-    msg = report_of(p, 2)
-    assert f"finalize() did not complete within {TIMEOUT} s; stage: freeing the communicators and the " \
-        "progress window (MPI_Win_free waits for every rank to call finalize()" in msg, msg
-    assert "NCCL" not in p.stderr and "nccl" not in p.stderr, p.stderr
-    nothing_left(token)
-
-
 @pytest.mark.parametrize("gpu", [GPU])
 def test_early_exit_on_gpu_is_reported_within_seconds(gpu):
     """NCCL (nccl-gpu): rank 1 exits with 3 while rank 0's all_reduce waits on the GPU for it;

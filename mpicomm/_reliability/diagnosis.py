@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from .._ops import NAMES, RECV
 from .._timing import TIMING
-from .progress import (DONE, ENTERED, EXITED, FINALIZED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, ROWS, TDONE,
+from .progress import (DONE, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, ROWS, TDONE,
                        XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
 
 
@@ -33,8 +33,8 @@ class Diagnosis:
             line = f"state unknown (no answer within {TIMING.read_wait:g} s: the process may have died)"
             part = f"rank {peer} did not answer"
         elif st[EXITED]:
-            line = f"{_gone(st, 'its')} without a matching {other}"
-            part = f"rank {peer} {_gone(st)} without the matching {other}"
+            line = f"has left its script ({_how(st)}) without a matching {other}"
+            part = f"rank {peer} has left the script ({_how(st)}) without the matching {other}"
         else:
             pw = int(st[P2P])
             if pw:
@@ -116,7 +116,8 @@ class Diagnosis:
             c.missing.append(wr)
             last = (f"its last call was {NAMES.get(word & 15, '?')} sequence {entered}" if mine
                     else f"it made no call on group {g.name!r}")
-            c.lines.append(f"  {where}: {_gone(st, 'its')} without reaching this call; {last}")
+            c.lines.append(f"  {where}: has left its script ({_how(st)}) without reaching this "
+                           f"call; {last}")
             c.how.append(_how(st))
             return
         if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
@@ -184,13 +185,9 @@ def _summary(c, g, seq):
     if c.apart:
         parts.append(_ranks(c.apart, "is", "are") + " creating this group with another name or other "
                      "rank_ids: every member must pass create_group the same name and rank_ids")
-    left = [(r, h) for r, h in zip(c.exited, c.how) if h != _FINALIZE]
-    if left:
-        parts.append(_ranks([r for r, _ in left], "has", "have") + f" left the script "
-                     f"({', '.join(h for _, h in left)}) without reaching this call")
-    if len(left) < len(c.exited):
-        parts.append(_ranks([r for r in c.exited if r not in dict(left)], "has", "have") +
-                     " called finalize() without reaching this call (it makes no more calls)")
+    if c.exited:
+        parts.append(_ranks(c.exited, "has", "have") + f" left the script ({', '.join(c.how)}) without "
+                     "reaching this call")
     if c.other:
         parts.append(_ranks(c.other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
                      "called different collectives")
@@ -232,22 +229,12 @@ def describe_array(shape, dtype):
     return f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
 
 
-_FINALIZE = "it called finalize()"
-
-
 def _how(st):
-    """How a rank left, from its window: its exit status where known (or that it called finalize())."""
-    if int(st[EXITED]) == FINALIZED:
-        return _FINALIZE
+    """How a rank left, from its window: its exit status where known."""
     x = int(st[XSTATUS])
     if x:
         return f"exit status {x - 1}"
     return "it returned, or exited without sys.exit: status unknown"
-
-
-def _gone(st, its="the"):
-    """'has left the script (exit status 3)', or 'has called finalize()', from a rank's window."""
-    return "has called finalize()" if int(st[EXITED]) == FINALIZED else f"has left {its} script ({_how(st)})"
 
 
 def _now_at(st, names):

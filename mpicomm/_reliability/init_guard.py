@@ -31,10 +31,8 @@ class InitGuard:
         "transport": "creating the world's transport (under NCCL: ncclCommInitRank, NCCL's own "
                      "bootstrap over the network; every rank has passed the backend agreement just before)",
         "window": "creating the progress window (MPI_Win_allocate on every rank)",
-        "free": "freeing the communicators and the progress window (MPI_Win_free waits for every rank "
-                "to call finalize(); a rank that never does keeps the others here)",
-        "free_nccl": "freeing the communicators (under NCCL, ncclCommDestroy waits for the work still queued "
-                     "on them, which a stuck peer never completes; MPI_Win_free for every rank to call finalize())",
+        "free": "freeing the communicators (under NCCL, ncclCommDestroy waits for the work still queued "
+                "on them, which a stuck peer never completes)",
     }
 
     def __init__(self, timeout, rank, call="init()", first="join"):

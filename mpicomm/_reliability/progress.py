@@ -30,8 +30,7 @@ from .abort import quiet
 # the graph's own replay number and key; 0: none), so that a rank that has replayed that
 # graph fewer times names the collective its peers wait in. "exited" is set when the process
 # leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
-# waiting on it can say so; FINALIZED (2) where it called mpicomm.finalize(): it makes no more
-# calls either (finalize() then waits in MPI_Win_free for ranks that still make calls). P2P is the blocking send/recv in progress (0: none): see
+# waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
 # this rank's watchdog for its Python stack. The agreement reports are the texts of the last
 # REASON_SLOTS disagreements or refusals this rank found or made (mpicomm._reliability.agreement),
@@ -39,7 +38,6 @@ from .abort import quiet
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 EXITED = 2
 XSTATUS = 3
-FINALIZED = 2      # EXITED's value for a rank that called finalize() (1: it left the script)
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 REPLAYS = 8
@@ -256,11 +254,6 @@ class Progress:
         if status is not None:
             self.m[XSTATUS] = int(status) + 1
         self.m[EXITED] = 1
-
-    def mark_finalized(self):
-        """This rank called mpicomm.finalize(): it makes no more calls, and peers that wait
-        for one of its calls say so within seconds (as for a rank that left its script)."""
-        self.m[EXITED] = FINALIZED
 
     def request_dump(self, ranks):
         """Ask the watchdogs of world ``ranks`` to print their Python stacks (an RMA put
