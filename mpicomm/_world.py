@@ -205,6 +205,22 @@ def _init(MPI: Any, name: str, timeout: float, debug: bool, abort_on_exception: 
     CTX.init_key = key
     CTX.initialized = True
     CTX.reliability.start()
+    _export_rank_variables(world.Get_rank(), world.Get_size(), CTX.local_rank, CTX.local_size)
+
+
+# the rank variables other frameworks' launchers set, which their own classes read (Paddle's
+# DistributedBatchSampler reads PADDLE_TRAINER_ID at construction: unset, every rank takes the
+# whole data set). mpirun sets none of them (docs/PORTING.md)
+RANK_VARIABLES = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 2, "LOCAL_WORLD_SIZE": 3,   # PyTorch, OneFlow
+                  "RANK_ID": 0, "RANK_SIZE": 1,                                           # MindSpore
+                  "PADDLE_TRAINER_ID": 0, "PADDLE_TRAINERS_NUM": 1, "PADDLE_RANK_IN_NODE": 2}   # Paddle
+
+
+def _export_rank_variables(rank: int, size: int, local_rank: int, local_size: int) -> None:
+    """Set RANK_VARIABLES in this process's environment to the world's values (a value
+    inherited from the launch shell would name another rank)."""
+    values = (rank, size, local_rank, local_size)
+    os.environ.update({k: str(values[i]) for k, i in RANK_VARIABLES.items()})
 
 
 def _attach(ctx: Context, g: Group) -> None:

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import mpicomm
+from conftest import clean_mpi_env, mpirun_argv, run_job
+from launch_support import spawns_mpirun
 
 mpi = pytest.mark.mpi
 
@@ -240,3 +242,37 @@ def test_mindspore_ops_module(comm):
     y = np.arange(4.0) * (r + 1)
     np.testing.assert_array_equal(ops.AllReduce(ops.ReduceOp.MAX)(y), np.arange(4.0) * n)
     assert mpicomm.ops is ops and ops.ReduceOp is mpicomm.ReduceOp
+
+
+@mpi
+def test_the_frameworks_rank_variables_are_set(comm):
+    """After init(), the variables other launchers set (PyTorch/OneFlow RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE; MindSpore RANK_ID, RANK_SIZE; Paddle PADDLE_TRAINER_ID,
+    PADDLE_TRAINERS_NUM, PADDLE_RANK_IN_NODE) hold MPI's values, which their own classes read
+    (Paddle's DistributedBatchSampler): computed here from MPI and the host names."""
+    from mpi4py import MPI
+
+    w = MPI.COMM_WORLD
+    n, me = w.Get_size(), w.Get_rank()
+    hosts = w.allgather(MPI.Get_processor_name())
+    here = [r for r in range(n) if hosts[r] == hosts[me]]
+    want = {"RANK": me, "WORLD_SIZE": n, "LOCAL_RANK": here.index(me), "LOCAL_WORLD_SIZE": len(here),
+            "RANK_ID": me, "RANK_SIZE": n, "PADDLE_TRAINER_ID": me, "PADDLE_TRAINERS_NUM": n,
+            "PADDLE_RANK_IN_NODE": here.index(me)}
+    assert {k: os.environ.get(k) for k in want} == {k: str(v) for k, v in want.items()}
+
+
+@spawns_mpirun
+def test_rank_variables_from_the_launch_shell_are_replaced(tmp_path):
+    """A RANK or PADDLE_TRAINER_ID inherited from the launch shell (another job's) names
+    another rank: init() replaces it with this rank's."""
+
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, mpicomm\nmpicomm.init('mpi')\n"
+                      "print('ranks', mpicomm.get_rank(), os.environ['RANK'], os.environ['PADDLE_TRAINER_ID'],"
+                      " os.environ['WORLD_SIZE'], flush=True)\n")
+    env = clean_mpi_env({"RANK": "7", "PADDLE_TRAINER_ID": "7", "WORLD_SIZE": "99"})
+    p, _ = run_job(mpirun_argv(2, str(script)), env, 120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = sorted(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("ranks"))
+    assert got == [["0", "0", "0", "2"], ["1", "1", "1", "2"]], p.stdout
