@@ -220,17 +220,7 @@ class Dispatcher(AgreementPaths):
             if p is not None:
                 self.known[key] = p   # back in, as the most recently used
                 self.last[code] = p
-                if self.shr is None or p.spec.gpu or async_op:   # (no gate here: see gate)
-                    return self.call(code, x, out, arg, async_op, stream)
-                if _DROPPED:
-                    complete_dropped()
-                seq = self.seq = self.seq + 1
-                if self.mem[self.row + AT_POISON]:
-                    self.poisoned(seq, code, (x, out, arg, async_op, stream))
-                    if self.last[code] is not p:   # the group's fresh communicator: p was the old one's
-                        return self.run_new(seq, code, None, x, out, arg, async_op, stream)
-                self.mem[self.row] = seq << 4 | code
-                return self.run_gated(seq, code, p, x, out, async_op)
+                return self.call(code, x, out, arg, async_op, stream)
         if _DROPPED:
             complete_dropped()
         seq = self.seq = self.seq + 1
@@ -261,16 +251,7 @@ class Dispatcher(AgreementPaths):
                     if len(known) >= KNOWN_CALLS:
                         del known[next(iter(known))]   # the least recently used
                     known[key] = p
-        except BaseException as e:
-            self.raise_in_call(seq, code, e)
-        return self.run_gated(seq, code, p, x, out, async_op)
-
-    def run_gated(self, seq, code, p, x, out, async_op):
-        """Call ``seq`` (ENTERED written), prepared as ``p``, of ``call_new`` and ``run_new``:
-        through the gate (which publishes it: ``gate`` in mpicomm._dispatch_checks), run, and
-        finished."""
-        w = self.gate(seq, code, p, async_op)
-        try:
+            w = self.publish(seq, code, p.sig, p)
             r = p.run(x, out)
         except BaseException as e:
             self.raise_in_call(seq, code, e)

@@ -15,133 +15,18 @@ import numpy as np
 from ._backends.base import NEVER
 from ._callspec import ASYNC, REFUSED, PeerSpec, plain_spec, same_bytes, standable
 from ._dtypes import dtype_of
-from ._ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, GATHER, NAMES, REDUCE, REDUCE_SCATTER, SCATTER, Sized
-from ._reliability.agreement import HOST_MASK, publish_spec
+from ._ops import BARRIER, BROADCAST, GATHER, NAMES, REDUCE, SCATTER, Sized
+from ._reliability.agreement import HOST_MASK
 from ._reliability.progress import (AT_DONE, AT_HIST, AT_POISON, AT_RAISED, CALLS_MASK, ENTERED, EPOCH, REPORTED,
                                    SPEC_SLOTS, reason_tag)
 from ._timing import TIMING
 from .errors import CollectiveMismatchError
 
 
-# the collectives the gate is for (AgreementPaths.gate): every rank's part needs every other's
-_GATED = frozenset((ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL))
-
-
 class AgreementPaths:
     """Mixed into Dispatcher: the agreement check's slow paths (see the module docstring)."""
 
     __slots__ = ()
-    def gate(self, seq, code, p, async_op):
-        """Publish call ``seq`` (prepared call ``p``) as ``publish`` does, and return its ring
-        word; first, where this rank's call of collective ``code`` differs from its last one
-        (``call_new``, ``run_new``) on host memory (MPI), wait at a gate until each host member
-        has published its call ``seq``, and where one's differs, refuse the call (standing in
-        for the members inside it) instead of starting it. MPI calls that differ in their counts
-        can write past their buffers (Open MPI 5's all_reduce of 2000 against 2100 float32
-        elements corrupts its heap and aborts), so the check after the call comes too late for
-        them. Only the collectives that no rank can finish before every rank has entered them
-        (_GATED): a broadcast or reduce may be over on ranks that do not wait for this one, which
-        would then stand in for a call they have left. A rank repeating its last call of the
-        collective does not wait: a member that
-        changed its call waits for it and stands in for it. Nor does a call started with
-        async_op=True (a program may start one, then do what the others need before they start
-        it: the check after the call catches those).
-
-        At the gate the call's word is only in the host-shared ring (what members compare
-        at their gates and after their calls); the row's ring word, which says "entered" to a
-        refusing member deciding whom to stand in for, follows once the gate is passed, or
-        says REFUSED. So two members that both changed their calls, differently, never stand
-        in for each other. The watchdog watches the wait as the call."""
-        w = seq << 32 | p.sig
-        sh = self.shr
-        if sh is None or not self.check or p.spec.gpu or async_op or code not in _GATED \
-                or p.spec.sizes is not None or self._shm_path(code, p.spec):   # (per-rank sizes: compared first)
-            return self.publish(seq, code, p.sig, p)
-        k = seq & HOST_MASK
-        # described before the word can be seen: a member that refuses this call at its gate
-        # names it, and stands in for it where this rank enters, without waiting for its watchdog
-        publish_spec(self.mem, self.row, seq, p.spec)
-        sh[self.shb + k] = w
-        spins = 0
-        deadline = refused = None
-        m, poison = self.mem, self.row + AT_POISON
-        for pm, pb, j in self.peers:
-            while True:
-                pw = pm[pb + k]
-                if pw >> 32 >= seq:
-                    break
-                spins += 1
-                if spins > 200:   # (a member still on its way: poll, do not burn the core it needs)
-                    if deadline is None:
-                        deadline = time.monotonic() + self._patience()
-                    elif time.monotonic() > deadline or m[poison] and m[poison] >> 24 != seq:
-                        break   # (a report about another call came meanwhile: the members may be on
-                    time.sleep(0.0002)   # their way to a fresh communicator: the call as without the gate)
-            if pw >> 32 < seq:
-                break
-            if pw >> 32 == seq and pw != w:
-                if pw & 0xFFFFFFFF != REFUSED:
-                    self._refuse_differing(seq, code, p.spec)
-                refused = j if refused is None else refused
-        if refused is not None:   # refused there, and no member's call differs from this one
-            self._refused_at_gate(seq, code, refused)
-        return self.publish(seq, code, p.sig, p)
-
-    def _refused_at_gate(self, seq, code, j):
-        """``gate``: group rank ``j`` refused call ``seq`` before this rank started it. This
-        rank refuses it too (``refuse``: it stands in for its own part where members are inside
-        the call, and decides with them) and raises ``j``'s report (its words are published
-        before its refusal; its final words once it has decided)."""
-        g = self.group
-        who = g.ranks[j]
-        said = self.rel.progress.reason_of(who, tag=reason_tag(g.name, seq))
-        self.refuse(seq, code, None, said or f"{NAMES.get(code, '?')} sequence {seq} on group {g.name!r}: "
-                                             f"rank {who} refused the call", who=who)
-
-    def _shm_path(self, code, spec):
-        """Whether the call may take mpicomm's shared-memory path (mpicomm/_backends/shm_path.py),
-        which compares the ranks' calls itself before moving data: no gate there."""
-        shm = getattr(self.plain(), "shm", None)
-        least = None if shm is None else {ALL_REDUCE: "min_all_reduce", REDUCE_SCATTER: "min_reduce_scatter",
-                                          ALL_GATHER: "min_all_gather", BROADCAST: "min_broadcast"}.get(code)
-        if least is None:
-            return False
-        try:
-            return spec.count * dtype_of(spec.dtype).itemsize >= getattr(shm, least)
-        except (TypeError, ValueError):   # (no dtype in the description: as the check after the call)
-            return True
-
-    def _refuse_differing(self, seq, code, mine):
-        """``gate`` found a host member's call ``seq`` differing from this rank's (``mine``, its
-        CallSpec) before this rank started it: refuse it (raises), with a report that names the
-        host members' calls. Each host member's word for ``seq`` is there (the gate waited for
-        it), and a member at its gate described its call before publishing the word; a member
-        that went into the call without a gate repeats a call, which this rank has made too.
-        So the report is complete before the refusal shows: a member that refuses because of
-        this refusal repeats these words."""
-        from ._reliability.agreement import read_row, spec_words
-
-        g = self.group
-        name = NAMES.get(code, "?")
-        k = seq & HOST_MASK
-        calls = [f"{self._me()}: {mine.describe()}"]
-        for pm, pb, j in sorted(self.peers, key=lambda t: t[2]):
-            pw = pm[pb + k]
-            if pw >> 32 != seq:
-                continue
-            row = read_row(self.rel.progress, g.ranks[j], self.slots[j])
-            sw = spec_words(row, seq) if row is not None else None   # (also where it has refused
-            sp = PeerSpec(sw) if sw is not None else (   # since: described at its gate first)
-                self._made(pw & 0xFFFFFFFF) if pw & 0xFFFFFFFF != REFUSED else None)
-            if sp is None:
-                continue
-            what = f"; differs in {mine.diff(sp)}" if sp.words() != mine.words() else ""
-            calls.append(f"rank {g.ranks[j]}: {sp.describe(mine) if isinstance(sp, PeerSpec) else sp.describe()}{what}")
-        text = (f"{name} sequence {seq} on group {g.name!r}: the ranks called differently: "
-                + "; ".join(calls) + ". Every rank must make the same call (collective, dtype, element "
-                "count, op, root, sizes); MPICOMM_DEBUG=1 compares every argument before each call")
-        self.refuse(seq, code, None, text, tell=True)
-
     def differs(self, seq, code, j, pw):
         """Group rank ``j``'s ring word ``pw`` for call ``seq`` differs from this rank's."""
         self.mem[self.row + AT_DONE] = seq << 4 | code
@@ -276,31 +161,14 @@ class AgreementPaths:
                 if sw is not None:   # ('ahead': its ring word is gone, its description says it all)
                     known.setdefault(w & 0xFFFFFFFF if st == "entered" else ("ahead", j), PeerSpec(sw))
                     del todo[j]
-            for j in list(todo):   # entered with a signature that another member described,
+            for j in list(todo):   # entered with a signature that another member described
                 w, st = ring_word(rows[j], seq) if rows.get(j) is not None else (0, "behind")
-                if st != "entered":   # or that this rank has made (a member repeating a call
-                    continue          # inside it: no wait for its watchdog to describe it)
-                s = w & 0xFFFFFFFF
-                if s not in known:
-                    sp = self._made(s)
-                    if sp is not None:
-                        known[s] = PeerSpec(sp.words())
-                if s in known:
+                if st == "entered" and (w & 0xFFFFFFFF) in known:
                     del todo[j]
             if not todo or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
         return rows, known, refused
-
-    def _made(self, sig):
-        """The CallSpec of a host-memory call of signature ``sig`` that this rank has prepared
-        (the signature hashes every word of the description, and for host arrays the async flag
-        too), else None."""
-        for p in (*tuple(self.last), *list(self.known.values())):
-            sp = getattr(p, "spec", None) if p is not NEVER else None
-            if sp is not None and not sp.gpu and getattr(p, "sig", None) == sig:
-                return sp
-        return None
 
     def _patience(self):
         """Seconds a step of the protocol waits for a member's word (its description, its
@@ -370,10 +238,6 @@ class AgreementPaths:
         from ._reliability.agreement import poison_word
 
         self._raised_here(seq)   # (published: the comparison across hosts passes over it)
-        # the next call of each collective passes the gate (call_new): the members that raised
-        # here may repeat their differing calls, and a repeat does not wait there
-        last = self.last
-        last[:] = [NEVER] * len(last)
         if entered and self.rel is not None:   # (NCCL: host arrays' MPI communicator afresh)
             self.resync = True
             # (where a member's report waits, it brings the next call here too)
@@ -421,11 +285,10 @@ class AgreementPaths:
         self._after(seq, fresh)
         raise CollectiveMismatchError(text)
 
-    def refuse(self, seq, code, e, reason, who=None, tell=False):
+    def refuse(self, seq, code, e, reason, who=None):
         """This rank does not take part in call ``seq`` (it raised ``e``, or a peer's report
         ``reason`` came first): publish the refusal, wait until every member has refused
-        or entered, stand in for the call where members wait inside it, then raise. Its report
-        goes to every member where it raised ``e`` or ``tell``."""
+        or entered, stand in for the call where members wait inside it, then raise."""
 
         g = self.group
         m, b = self.mem, self.row
@@ -438,7 +301,7 @@ class AgreementPaths:
         m[self.cb + (seq & CALLS_MASK)] = w
         if self.shr is not None:
             self.shr[self.shb + (seq & HOST_MASK)] = w
-        if e is not None or tell:
+        if e is not None:
             self._tell(seq, text)
         if self.slots is None:
             self._after(seq, False)
