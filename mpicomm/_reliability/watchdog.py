@@ -282,7 +282,9 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             self._compared.clear()
             self._refused_seen.clear()
         mine = int(m[disp.cb + seq % agr.CALLS_N])
-        if mine >> 32 == seq and mine & 0xFFFFFFFF == agr.REFUSED:
+        if mine >> 32 != seq:   # still preparing the call: its word is not there yet, and the members'
+            return False        # words compared with an older one would all differ; the timeout watches
+        if mine & 0xFFFFFFFF == agr.REFUSED:
             # this rank refused the call: its refusal waits for every member to come to the call
             # (the timeout watches a member still on its way) and for a description of the call
             # from one that entered it, then stands in for those inside. Neither the wait for a
