@@ -248,6 +248,9 @@ def finalize() -> None:
     # receives still held but never waited for
     complete_dropped()
     complete_pending("finalize()")
+    # no call follows on this rank: a peer waiting in one it did not reach says so at once
+    # (freeing the communicators below waits for every rank)
+    CTX.reliability.progress.mark_finalized()
     # watched by a timer (the watchdog stops below): a stage past the timeout is reported
     guard = InitGuard(CTX.timeout, CTX.world.rank, "finalize()", "free")
     try:

@@ -321,6 +321,10 @@ def main():
                 raise SystemExit(status)
             if how == "return":  # the script ends normally
                 return
+            if how == "finalize":   # done with mpicomm (fewer batches than its peers): it waits in finalize()
+                mpicomm.finalize()
+                say("finalized")
+                return
             sys.exit(status)
         mpicomm.all_reduce(x)
         if GPU:   # NCCL enqueues the call: the wait is here
@@ -356,6 +360,10 @@ def main():
         elif r == 1:
             if MODE == "recv_exit":
                 say("leaving")
+                if os.environ.get("EXIT_HOW") == "finalize":
+                    mpicomm.finalize()
+                    say("finalized")
+                    return
                 sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
             lagging_here(120)
         else:

@@ -302,6 +302,39 @@ def test_early_exit_without_sys_exit(how, status):
     nothing_left(token)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_rank_that_called_finalize_is_reported_within_seconds(n):
+    """Rank 1 calls finalize() after one all_reduce (a rank with fewer batches than its
+    peers) while the others wait for it in the second: they say within seconds, long before
+    the timeout (60 s), that rank 1 called finalize() without reaching the call, and the job
+    ends with 1 (rank 1, waiting in finalize() for the others, never returns from it)."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(n, "early_exit", limit=90, env={"MPICOMM_TIMEOUT": str(LONG), "EXIT_HOW": "finalize"},
+                  token=token)
+    nothing_left(token)
+    assert took < EARLY and p.returncode == 1, (took, p.returncode, p.stderr)
+    assert results(p) == {1: ["leaving"]}, p.stdout
+    reporters = [r for r in range(n) if f"[mpicomm rank {r}] CommunicationError" in p.stderr]
+    assert reporters and 1 not in reporters, p.stderr
+    for r in reporters:
+        msg = report_of(p, r, "CommunicationError")
+        assert "all_reduce sequence 2 on group 'world'" in msg and "cannot complete" in msg, msg
+        assert "Rank 1 has called mpicomm.finalize() without reaching this call" in msg, msg
+    assert re.search(r"^  rank 1: has called mpicomm.finalize\(\) without reaching this call; "
+                     r"its last call was all_reduce sequence 1$", p.stderr, re.M), p.stderr
+
+
+def test_recv_from_a_rank_that_called_finalize():
+    """Rank 1 calls finalize() while rank 0 waits for its send: rank 0 says so within
+    seconds, naming finalize(), and the job ends with 1."""
+    p, took = fault(2, "recv_exit", env={"MPICOMM_TIMEOUT": str(LONG), "EXIT_HOW": "finalize"}, limit=90)
+    assert p.returncode == 1 and took < EARLY, (p.returncode, took, p.stderr)
+    msg = report_of(p, 0, "CommunicationError")
+    assert msg.startswith("rank 0: recv from rank 1 (tag 5, shape (4,), dtype float32) on group 'world' cannot "
+                          "complete"), msg
+    assert "Rank 1 has called mpicomm.finalize() without the matching send" in msg, msg
+
+
 @pytest.mark.parametrize("gpu", [GPU])
 def test_early_exit_on_gpu_is_reported_within_seconds(gpu):
     """NCCL (nccl-gpu): rank 1 exits with 3 while rank 0's all_reduce waits on the GPU for it;

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from .._ops import NAMES, RECV
 from .._timing import TIMING
 from .progress import (DONE, ENTERED, EXITED, GHASH, HDR, P2P, P2P_GH, P2P_TAG, RAISED, ROWS, TDONE,
-                       XSTATUS, F, MEMBERS, ghash, members_hash, p2p_fields)
+                       XSTATUS, F, FINALIZED, MEMBERS, ghash, members_hash, p2p_fields)
 
 
 class Diagnosis:
@@ -33,8 +33,8 @@ class Diagnosis:
             line = f"state unknown (no answer within {TIMING.read_wait:g} s: the process may have died)"
             part = f"rank {peer} did not answer"
         elif st[EXITED]:
-            line = f"has left its script ({_how(st)}) without a matching {other}"
-            part = f"rank {peer} has left the script ({_how(st)}) without the matching {other}"
+            line = f"{_left(st, 'its')} without a matching {other}"
+            part = f"rank {peer} {_left(st, 'the')} without the matching {other}"
         else:
             pw = int(st[P2P])
             if pw:
@@ -116,8 +116,7 @@ class Diagnosis:
             c.missing.append(wr)
             last = (f"its last call was {NAMES.get(word & 15, '?')} sequence {entered}" if mine
                     else f"it made no call on group {g.name!r}")
-            c.lines.append(f"  {where}: has left its script ({_how(st)}) without reaching this "
-                           f"call; {last}")
+            c.lines.append(f"  {where}: {_left(st, 'its')} without reaching this call; {last}")
             c.how.append(_how(st))
             return
         if mine and int(mine[0][RAISED]) >> 4 == seq:   # its call of this sequence raised
@@ -186,8 +185,9 @@ def _summary(c, g, seq):
         parts.append(_ranks(c.apart, "is", "are") + " creating this group with another name or other "
                      "rank_ids: every member must pass create_group the same name and rank_ids")
     if c.exited:
-        parts.append(_ranks(c.exited, "has", "have") + f" left the script ({', '.join(c.how)}) without "
-                     "reaching this call")
+        left = ("called mpicomm.finalize()" if all(h == _FINALIZED for h in c.how)
+                else f"left the script ({', '.join(c.how)})")
+        parts.append(_ranks(c.exited, "has", "have") + f" {left} without reaching this call")
     if c.other:
         parts.append(_ranks(c.other, "is", "are") + f" in another collective at sequence {seq}: the ranks "
                      "called different collectives")
@@ -229,9 +229,22 @@ def describe_array(shape, dtype):
     return f"shape {tuple(shape) if shape is not None else ()}, dtype {str(dtype).replace('torch.', '')}"
 
 
+_FINALIZED = "it called mpicomm.finalize()"
+
+
+def _left(st, its):
+    """How a rank that left is described: 'has called mpicomm.finalize()', else 'has left
+    its (the) script (how)'."""
+    if int(st[XSTATUS]) == FINALIZED:
+        return "has called mpicomm.finalize()"
+    return f"has left {its} script ({_how(st)})"
+
+
 def _how(st):
     """How a rank left, from its window: its exit status where known."""
     x = int(st[XSTATUS])
+    if x == FINALIZED:
+        return _FINALIZED
     if x:
         return f"exit status {x - 1}"
     return "it returned, or exited without sys.exit: status unknown"

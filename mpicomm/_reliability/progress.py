@@ -29,8 +29,8 @@ from .abort import quiet
 # REPLAY_WAIT, written by the watchdog alone, is the replay it sees pending (replay_wait:
 # the graph's own replay number and key; 0: none), so that a rank that has replayed that
 # graph fewer times names the collective its peers wait in. "exited" is set when the process
-# leaves the script (atexit), with its exit status + 1 where known (0: unknown), so peers
-# waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
+# leaves the script (atexit), with its exit status + 1 where known (0: unknown; FINALIZED:
+# it called finalize(), after which it makes no call), so peers waiting on it can say so. P2P is the blocking send/recv in progress (0: none): see
 # p2p_word; its group's hash and tag follow. DUMP is written by a peer (RMA put) to ask
 # this rank's watchdog for its Python stack. The agreement reports are the texts of the last
 # REASON_SLOTS disagreements or refusals this rank found or made (mpicomm._reliability.agreement),
@@ -38,6 +38,7 @@ from .abort import quiet
 MAGIC = 0x6D7069636F6D6D  # "mpicomm"
 EXITED = 2
 XSTATUS = 3
+FINALIZED = -1   # the exit status word of a rank that called finalize()
 P2P, P2P_GH, P2P_TAG = 4, 5, 6
 DUMP = 7
 REPLAYS = 8
@@ -253,6 +254,13 @@ class Progress:
         that wait on it will say so."""
         if status is not None:
             self.m[XSTATUS] = int(status) + 1
+        self.m[EXITED] = 1
+
+    def mark_finalized(self):
+        """This process called finalize(): it makes no further call, and peers waiting in a
+        call it did not reach say so at once (finalize() itself may wait for them: freeing
+        the windows and communicators is collective)."""
+        self.m[XSTATUS] = FINALIZED
         self.m[EXITED] = 1
 
     def request_dump(self, ranks):
