@@ -50,10 +50,13 @@ def _meet(g: Group) -> None:
     the watched call. pkl5 makes its own duplicate of the communicator at its first such
     call (MPI_Comm_dup, which mpi4py runs holding the GIL): a rank that came late would
     hold the others there, where the watchdog thread cannot run to report it. The barrier
-    releases the GIL while it waits; after it every rank is there and the dup is quick."""
+    releases the GIL while it waits; after it every rank is there and the dup is quick. It
+    meets on the group's spare communicator, which no call of the program's can match (a
+    peer's ``barrier()`` instead is then a disagreement the watchdog reports)."""
     c = _CACHE[id(g)]
     if not c[2]:
-        g.mpi_comm.Barrier()
+        rel = CTX.reliability
+        (rel.meeting_comm(g) if rel is not None else g.mpi_comm).Barrier()
         c[2] = True
 
 

@@ -50,6 +50,12 @@ CASES = {
     "object_root": ("mpicomm.broadcast_object({'from': r}, root=0 if r < n - 1 else n - 1)",
                     lambda n: [rf"rank {_not_last(n)}: broadcast, root 0\b",
                                rf"rank {n - 1}: broadcast, root {n - 1}\b"]),
+    # the group's first exchange of objects against a barrier: it must not meet the barrier
+    # (its set-up did, and went on to wait unwatched, holding the GIL, past the timeout)
+    "object_barrier": ("mpicomm.all_gather_object({'r': r}) if r < n - 1 else mpicomm.barrier()",
+                       lambda n: [rf"rank {_not_last(n)}: all_gather\b", rf"rank {n - 1}: barrier\b"]),
+    "barrier_object": ("mpicomm.barrier() if r < n - 1 else mpicomm.gather_object(r)",
+                       lambda n: [rf"rank {_not_last(n)}: barrier\b", rf"rank {n - 1}: gather, root 0\b"]),
     # a barrier started async_op=True on the last rank only: MPI never matches Ibarrier with
     # Barrier (every rank waited for the timeout, "stuck in the transport"). The last rank,
     # in Work.wait, describes its call when it finds the difference itself; on a crowded

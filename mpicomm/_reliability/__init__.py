@@ -76,6 +76,15 @@ class Reliability:
         if g.size > 1 and self.ctx.check:
             self._spares[id(g)] = g.mpi_comm.Dup()
 
+    def meeting_comm(self, g):
+        """The communicator on which member group ``g`` meets before its first exchange of
+        objects (mpicomm._objects._meet): the spare, where there is one, which no call of the
+        program's can match (a barrier on the group's own communicator met a peer's
+        ``barrier()`` and let that rank's ``all_gather_object`` go on into pkl5's
+        communicator duplication, which waited there for it holding the GIL, unwatched)."""
+        spare = self._spares.get(id(g))
+        return spare if spare is not None else g.mpi_comm
+
     def resync(self, g):
         """Give member group ``g`` a fresh communicator and transport (collective over its
         members, who all call it at their next call after a disagreement or refusal that
