@@ -9,7 +9,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, CREATE_GROUP, D
                     REDUCE_SCATTER)
 from .._timing import TIMING
 from . import agreement as agr
-from .progress import DONE, ENTERED, EXITED, GHASH, HDR, ROWS, F, ghash
+from .progress import DONE, ENTERED, EXITED, GHASH, HDR, MEMBERS, ROWS, F, ghash
 
 # calls that complete on no rank before every member has entered them
 _ALL_NEEDED = frozenset((ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BARRIER, CREATE_GROUP, DESTROY_GROUP))
@@ -89,6 +89,24 @@ class Standstills:
                "another order" + (", or passed create_group other names or rank lists" if (e & 15) == CREATE_GROUP
                                    or (pe & 15) == CREATE_GROUP else "") + ")")
         return self._fire_mismatch(g, e >> 4, why, now - s[1])
+
+    def _creating_apart(self, g, e, states):
+        """True while this rank creates group ``g`` (its call word ``e``) and a member is
+        inside create_group of the same name with other members: neither can go on (the
+        members passed create_group other rank_ids)."""
+        if e & 15 != CREATE_GROUP:
+            return False
+        gh = ghash(g.name)
+        mh = int(self.progress.m[self.progress.rows[g] - ENTERED + MEMBERS])
+        for st in states.values():
+            if st is None or st[EXITED]:
+                continue
+            rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
+            for r in rows:
+                if (r[GHASH] == gh and int(r[ENTERED]) & 15 == CREATE_GROUP and r[ENTERED] != r[DONE]
+                        and int(r[MEMBERS]) != mh):
+                    return True
+        return False
 
     def _peer_exited(self, g, seq, states=None):
         """True when a rank of ``g`` has left its script without reaching call ``seq`` of ``g``

@@ -132,7 +132,8 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
                 states = p.read_peers([r for r in g.ranks if r != p.wrank]) if now - s[1] >= TIMING.exit_check else None
                 if states is not None and self._crossed(g, b, e, s, now, states):
                     return   # (one read of the members' windows for both findings)
-                if now - s[1] >= self.timeout or (states is not None and self._peer_exited(g, e >> 4, states)):
+                if now - s[1] >= self.timeout or (states is not None and (self._peer_exited(g, e >> 4, states)
+                                                                          or self._creating_apart(g, e, states))):
                     disp = getattr(g, "disp", None)
                     desc = disp.describe(e & 15) if disp is not None else "?"
                     self.fire(g, e >> 4, NAMES.get(e & 15, "?"), desc, now - s[1],
