@@ -756,27 +756,14 @@ def test_member_only_group_creation_is_watched(n, tmp_path):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_create_group_with_another_name_is_named(n):
-    """The last rank passes create_group another name while the others agree: the report of
-    rank 0, at the timeout, names the last rank and says the members passed different names
-    or rank_ids (not "stuck in the transport")."""
-    p, msg = timed_out(n, "create_other_name")
-    last = n - 1
-    assert msg.startswith("rank 0: create_group sequence 1 on group 'pair' (no array) did not complete"), msg
-    assert (f"Rank {last} is creating this group with another name or other rank_ids: every member must "
-            "pass create_group the same name and rank_ids") in msg, msg
-    assert "stuck in the transport" not in msg
-    assert re.search(rf"^  rank {last} \(rank {last} of the group\): no collective on group 'pair' yet; "
-                     r"inside create_group sequence 1 on group '#\d+' \(a group of another name\)$", p.stderr, re.M), p.stderr
-
-
-@pytest.mark.parametrize("n", [3, 4])
-def test_create_group_with_other_ranks_is_named_within_seconds(n):
-    """The last rank passes create_group a rank list without rank 1, the others the whole
-    world: each member that waits sees a member creating the same group with other members
-    and reports within seconds, long before the timeout (60 s), naming that member."""
+@pytest.mark.parametrize("mode", ["create_other_name", "create_other_ranks"])
+def test_create_group_with_other_arguments_is_named_within_seconds(n, mode):
+    """The last rank passes create_group another name (the whole world, as the others), or
+    a rank list without rank 1: each member that waits sees a member creating its group
+    with other members, or another group of its members, and reports within seconds, long
+    before the timeout (60 s), naming that member (not "stuck in the transport")."""
     token = f"faulttoken-{uuid.uuid4().hex}"
-    p, took = run(n, "create_other_ranks", limit=90, env={"MPICOMM_TIMEOUT": str(LONG)}, token=token)
+    p, took = run(n, mode, limit=90, env={"MPICOMM_TIMEOUT": str(LONG)}, token=token)
     nothing_left(token)
     assert p.returncode == 1 and took < EARLY, (p.returncode, took, p.stderr)
     last = n - 1
@@ -784,14 +771,20 @@ def test_create_group_with_other_ranks_is_named_within_seconds(n):
     assert reporters, p.stderr
     for r in reporters:
         msg = report_of(p, r, "CommunicationError")
-        assert msg.startswith(f"rank {r}: create_group sequence 1 on group 'pair' (no array) cannot complete"), msg
-        # the last rank's other members all passed another list; the others' only the last rank
-        others = ", ".join(str(q) for q in range(n) if q not in (1, last)) if r == last else str(last)
+        name = "pair2" if r == last and mode == "create_other_name" else "pair"
+        assert msg.startswith(f"rank {r}: create_group sequence 1 on group '{name}' (no array) cannot complete"), msg
+        assert "stuck in the transport" not in msg
+        # the last rank's other members all passed another list (or name); the others' only the last rank
+        others = ", ".join(str(q) for q in range(n) if q not in ((1, last) if mode == "create_other_ranks" else (last,))) \
+            if r == last else str(last)
         assert re.search(rf"Ranks? {others} (is|are) creating this group with another name or other rank_ids: "
                          "every member must pass create_group the same name and rank_ids", msg), msg
-    if 0 in reporters:
+    if 0 in reporters and mode == "create_other_ranks":
         assert re.search(rf"^  rank {last} \(rank {last} of the group\): in create_group sequence 1 on group "
                          rf"'pair' made of other ranks than this rank's \[0, 1, 2(, 3)?\]$", p.stderr, re.M), p.stderr
+    elif 0 in reporters:
+        assert re.search(rf"^  rank {last} \(rank {last} of the group\): no collective on group 'pair' yet; "
+                         r"inside create_group sequence 1 on group '#\d+' \(a group of another name\)$", p.stderr, re.M), p.stderr
 
 
 @pytest.mark.parametrize("gpu", [CPU, GPU])

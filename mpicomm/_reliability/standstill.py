@@ -92,8 +92,11 @@ class Standstills:
 
     def _creating_apart(self, g, e, states):
         """True while this rank creates group ``g`` (its call word ``e``) and a member is
-        inside create_group of the same name with other members: neither can go on (the
-        members passed create_group other rank_ids)."""
+        inside create_group of the same name with other members, or of another name with
+        the same members while it has not created ``g``: neither can go on (the members
+        passed create_group other rank_ids, or another name). A correct program cannot show
+        either: a rank creates one group at a time, a group's members leave its creation
+        together, and one that went on to create the next group has created ``g``."""
         if e & 15 != CREATE_GROUP:
             return False
         gh = ghash(g.name)
@@ -102,9 +105,13 @@ class Standstills:
             if st is None or st[EXITED]:
                 continue
             rows = st[HDR:].reshape(ROWS, F)[:ROWS - 1]
+            made = any(r[GHASH] == gh and r[DONE] for r in rows)
             for r in rows:
-                if (r[GHASH] == gh and int(r[ENTERED]) & 15 == CREATE_GROUP and r[ENTERED] != r[DONE]
-                        and int(r[MEMBERS]) != mh):
+                if int(r[ENTERED]) & 15 != CREATE_GROUP or r[ENTERED] == r[DONE] or not r[GHASH]:
+                    continue
+                if r[GHASH] == gh and int(r[MEMBERS]) != mh:
+                    return True
+                if r[GHASH] != gh and int(r[MEMBERS]) == mh and not made:
                     return True
         return False
 
