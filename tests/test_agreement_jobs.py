@@ -56,6 +56,15 @@ CASES = {
                        lambda n: [rf"rank {_not_last(n)}: all_gather\b", rf"rank {n - 1}: barrier\b"]),
     "barrier_object": ("mpicomm.barrier() if r < n - 1 else mpicomm.gather_object(r)",
                        lambda n: [rf"rank {_not_last(n)}: barrier\b", rf"rank {n - 1}: gather, root 0\b"]),
+    # a blocking recv (or a send too large to go out eagerly) with rank 1 before the collective
+    # that rank 1 waits in: rank 1 names both (rank 0 cannot say which call it waits for)
+    "recv_before_collective": ("mpicomm.recv(np.empty(8), 1, tag=3) if r == 0 else mpicomm.all_reduce(x)",
+                               lambda n: [r"rank 0 waits in recv from this rank, tag 3, while this rank waits in "
+                                          r"all_reduce sequence \d+ on group 'world', which rank 0 has not reached"]),
+    "send_before_collective": ("mpicomm.send(np.random.default_rng(7).standard_normal(1 << 22), 1, tag=4) if r == 0 "
+                               "else mpicomm.barrier()",
+                               lambda n: [r"rank 0 waits in send to this rank, tag 4, while this rank waits in "
+                                          r"barrier sequence \d+ on group 'world', which rank 0 has not reached"]),
     # a barrier started async_op=True on the last rank only: MPI never matches Ibarrier with
     # Barrier (every rank waited for the timeout, "stuck in the transport"). The last rank,
     # in Work.wait, describes its call when it finds the difference itself; on a crowded

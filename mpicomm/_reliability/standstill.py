@@ -9,7 +9,7 @@ from .._ops import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, CREATE_GROUP, D
                     REDUCE_SCATTER)
 from .._timing import TIMING
 from . import agreement as agr
-from .progress import DONE, ENTERED, EXITED, GHASH, HDR, MEMBERS, ROWS, F, ghash
+from .progress import DONE, ENTERED, EXITED, GHASH, HDR, MEMBERS, P2P, P2P_TAG, ROWS, F, ghash, p2p_fields
 
 # calls that complete on no rank before every member has entered them
 _ALL_NEEDED = frozenset((ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BARRIER, CREATE_GROUP, DESTROY_GROUP))
@@ -60,6 +60,10 @@ class Standstills:
             there = [r for r in rows if r[GHASH] == mine_gh and r[ENTERED]]
             if there and int(there[0][ENTERED]) >> 4 >= e >> 4:
                 continue   # at this call, or past it
+            pw = int(st[P2P])
+            if pw and self.device_id is None and (e & 15) in _ALL_NEEDED and p2p_fields(pw)[1] == p.wrank:
+                found = (wr, None, pw)   # blocked in a send or recv with this rank (MPI: held while it waits)
+                break
             for r in rows:
                 gh, pe = int(r[GHASH]), int(r[ENTERED])
                 if not gh or gh == mine_gh or pe == int(r[DONE]) or (pe & 15) not in _ALL_NEEDED:
@@ -83,6 +87,15 @@ class Standstills:
         if now - self._peers_read[2] < TIMING.refusal_wait:
             return False
         wr, h, pe = found
+        if h is None:   # a blocking send or recv of the member's, with this rank
+            code, _ = p2p_fields(pe)
+            st = states.get(wr)
+            tag = f", tag {int(st[P2P_TAG])}" if st is not None else ""
+            what = f"{NAMES.get(code, '?')} {'from' if NAMES.get(code) == 'recv' else 'to'} this rank{tag}"
+            why = (f"rank {wr} waits in {what}, while this rank waits in {NAMES.get(e & 15, '?')} sequence "
+                   f"{e >> 4} on group {g.name!r}, which rank {wr} has not reached: neither can go on (a send or "
+                   "recv that its peer makes only after this collective, or a collective called before it)")
+            return self._fire_mismatch(g, e >> 4, why, now - s[1])
         why = (f"rank {wr} waits in {NAMES.get(pe & 15, '?')} sequence {pe >> 4} on group {h.name!r}, which this "
                f"rank has not reached, while this rank waits in {NAMES.get(e & 15, '?')} sequence {e >> 4} on group "
                f"{g.name!r} for rank {wr}: neither can go on (the ranks made their calls of these groups in "
