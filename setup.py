@@ -7,7 +7,7 @@ import os
 from setuptools import Extension, setup
 
 NATIVE = os.path.join("mpicomm", "_native")
-SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c"]   # (and callpath.h)
+SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c", "crash.c"]   # (and callpath.h)
 
 
 def source_hash(here):

@@ -332,6 +332,29 @@ def main():
 
             cupy.cuda.get_current_stream().synchronize()
         say("finished")
+    elif MODE in ("fatal_inside", "fatal_outside"):   # rank 1 gets SIGSEGV, inside a call or after one
+        import threading
+
+        x = arr(rng.standard_normal(4).astype(np.float32))
+        mpicomm.all_reduce(x)
+        if r == 1:
+            say("segfaulting")
+            if MODE == "fatal_outside":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            # from another thread while this one waits in all_reduce sequence 2 (rank 0 comes late)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGSEGV)).start()
+        else:
+            time.sleep(4)
+        mpicomm.all_reduce(x)
+        say("finished")
+    elif MODE == "count_crash":   # 2000 against 2100 float32: Open MPI 5 writes past a buffer
+        mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
+        x = arr(rng.standard_normal(2000 + 100 * (r == 1)).astype(np.float32))
+        try:
+            mpicomm.all_reduce(x)
+            say("returned")
+        except mpicomm.CollectiveMismatchError:
+            say("raised CollectiveMismatchError")
     elif MODE == "skip_create_group":  # rank 1 never comes to create_group
         mpicomm.all_reduce(arr(rng.standard_normal(4).astype(np.float32)))
         if r == 1:

@@ -335,6 +335,48 @@ def test_recv_from_a_rank_that_called_finalize():
     assert "Rank 1 has called mpicomm.finalize() without the matching send" in msg, msg
 
 
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_a_fatal_signal_names_the_call(where):
+    """Rank 1 gets SIGSEGV while it waits in all_reduce sequence 2 (sent by a thread of its
+    own), or outside any call after sequence 1: before it dies it prints which call it was
+    in (or its last one) and its Python stacks, and the job ends long before the timeout."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, f"fatal_{where}", limit=90, env={"MPICOMM_TIMEOUT": str(LONG)}, token=token)
+    nothing_left(token)
+    assert p.returncode != 0 and took < EARLY, (p.returncode, took, p.stderr)
+    assert results(p).get(1) == ["segfaulting"], p.stdout
+    said = {"inside": "inside all_reduce sequence 2 on group 'world'",
+            "outside": "outside mpicomm's calls (its last: all_reduce sequence 1 on group 'world')"}[where]
+    assert re.search(rf"^\[mpicomm rank 1\] fatal signal {int(signal.SIGSEGV)} \(SIGSEGV\) {re.escape(said)}\. "
+                     r"Where the ranks' calls differ \(count, dtype, op\), MPI can write past a buffer", p.stderr,
+                     re.M), p.stderr
+    assert "Fatal Python error: Segmentation fault" in p.stderr, p.stderr   # (faulthandler's stacks)
+    assert "reliability_worker.py" in p.stderr, p.stderr
+    assert "[mpicomm rank 0] fatal signal" not in p.stderr, p.stderr
+
+
+def test_a_count_mismatch_that_crashes_mpi_is_named():
+    """2000 against 2100 float32 in all_reduce: Open MPI 5 writes past a buffer and a rank
+    dies of SIGABRT before mpicomm compares the calls. The dying rank names the call and
+    the way to compare first (MPICOMM_DEBUG=1); where MPI does not crash, every rank raises
+    CollectiveMismatchError, or the job ends with the named disagreement. Never a wait for
+    the timeout."""
+    token = f"faulttoken-{uuid.uuid4().hex}"
+    p, took = run(2, "count_crash", limit=90, env={"MPICOMM_TIMEOUT": str(LONG)}, token=token)
+    nothing_left(token)
+    assert took < EARLY, (took, p.stderr)
+    if re.search(r"fatal signal \d+ \(SIG", p.stderr):
+        assert p.returncode != 0
+        assert re.search(r"^\[mpicomm rank [01]\] fatal signal \d+ \(SIG[A-Z]+\) (inside all_reduce sequence 2|"
+                         r"outside mpicomm's calls \(its last: all_reduce sequence [12]) on group 'world'.*"
+                         r"MPICOMM_DEBUG=1 compares every call's arguments before it runs$", p.stderr, re.M), p.stderr
+    elif p.returncode == 0:
+        assert sorted(results(p)) == [0, 1] and all(v == ["raised CollectiveMismatchError"] for v in results(p).values()), \
+            p.stdout
+    else:
+        assert "CollectiveMismatchError" in p.stderr and "2100" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("gpu", [GPU])
 def test_early_exit_on_gpu_is_reported_within_seconds(gpu):
     """NCCL (nccl-gpu): rank 1 exits with 3 while rank 0's all_reduce waits on the GPU for it;

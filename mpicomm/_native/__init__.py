@@ -8,6 +8,9 @@ collective on CuPy arrays or PyTorch tensors, each the Python it replaces writte
 it where a C compiler and Python's headers are (it is optional: without them mpicomm runs
 its Python path); in a source tree, ``python -m mpicomm._native`` builds it in place.
 ``MPICOMM_NATIVE=1`` makes a missing or stale build an error instead of the Python path.
+
+The same module holds the crash report (crash.c; ``crash`` here, whatever the call path):
+a fatal signal in a rank names the call the rank was in (mpicomm._reliability.crash).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import hashlib
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c"]   # the module's files (and callpath.h)
+SOURCES = ["_callpath.c", "dispatch.c", "nccl_run.c", "public.c", "crash.c"]   # the module's files (and callpath.h)
 
 
 def source_hash() -> str:
@@ -60,6 +63,23 @@ def _load():
 
 
 callpath, why_not = _load()
+
+
+def _crash_module():
+    """The compiled module for the crash report (crash.c), also under ``MPICOMM_NATIVE=0``
+    (which chooses the call path only); None where it is not built, or built from other
+    sources."""
+    if callpath is not None:
+        return callpath
+    try:
+        from . import _callpath as mod   # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    want = source_hash()
+    return mod if not want or getattr(mod, "SOURCE", None) == want else None
+
+
+crash = _crash_module()
 
 
 def active() -> bool:

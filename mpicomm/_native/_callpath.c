@@ -13,6 +13,9 @@
  * at their offsets (found once, from the class's member descriptors), so Python and C
  * see one sequence number and one set of progress words. MPICOMM_NATIVE=0 leaves the
  * Python path in place (mpicomm/_native/__init__.py).
+ *
+ * Beside them, crash.c: the crash report (a fatal signal in a rank names the call it was in),
+ * which needs C because it runs in a signal handler.
  */
 #include "callpath.h"
 
@@ -24,6 +27,11 @@ static PyMethodDef module_methods[] = {
     {"key_matches", (PyCFunction)(void (*)(void))key_matches_py, METH_FASTCALL,
      "key_matches(key, x, out, arg, async_op, stream) -> whether the compiled call reuses the prepared call of "
      "``key`` (mpicomm._dispatch.call_key) for these arguments"},
+    {"crash_watch", crash_watch, METH_VARARGS,
+     "crash_watch(words, rank, layout, names): on a fatal signal, say which call the rank was in, from its "
+     "progress window ``words`` (crash.c)"},
+    {"crash_name", crash_name, METH_VARARGS, "crash_name(group_hash, name): the group's name in the crash report"},
+    {"crash_unwatch", crash_unwatch, METH_NOARGS, "crash_unwatch(): the signal handlers that were there before"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_callpath",

@@ -56,5 +56,8 @@ int nccl_run_init(PyObject *m);
 int public_init(PyObject *m);
 PyObject *install(PyObject *mod, PyObject *args);
 PyObject *key_matches_py(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *crash_watch(PyObject *mod, PyObject *args);   /* crash.c: the crash report */
+PyObject *crash_name(PyObject *mod, PyObject *args);
+PyObject *crash_unwatch(PyObject *mod, PyObject *noargs);
 
 #endif

@@ -22,7 +22,7 @@ from .. import _timing
 from .._backends.base import complete_dropped
 from .._timing import TIMING
 from ..errors import CollectiveTimeoutError, InvalidArgumentError
-from . import agreement
+from . import agreement, crash
 from .abort import ExceptHooks, ExitStatus, abort_job, rank_prefix
 from .debug import Checked
 from .flight import FlightRecorder, size_from_env
@@ -60,6 +60,7 @@ class Reliability:
         if self.hooks is not None:
             self.hooks.install()
         self.exit.install()
+        crash.watch(self.progress, self.ctx.world.rank)
         self.watchdog.start()
         atexit.register(self._atexit)
 
@@ -168,6 +169,7 @@ class Reliability:
         abort_job(self.transports(), code=status)
 
     def close(self, free):
+        crash.unwatch()
         self.watchdog.stop()
         if free:
             self.flight.close()

@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 
 from .._timing import TIMING
+from . import crash
 from .abort import quiet
 
 # Window layout (int64): [magic, pid, exited, exit status, point-to-point call, its group,
@@ -228,7 +229,7 @@ class Progress:
 
     def add(self, g):
         """A row for group ``g``; returns the index of its ENTERED word."""
-        self.names[ghash(g.name)] = g.name
+        self.name(g)
         if self._free:
             b = self._free.pop()
         elif self._next < ROWS - 1:
@@ -289,6 +290,7 @@ class Progress:
 
     def name(self, g):
         self.names[ghash(g.name)] = g.name
+        crash.name(ghash(g.name), g.name)
 
     def slot(self, g):
         """The index of group ``g``'s row (its first word), or None (unpublished overflow)."""
