@@ -168,9 +168,13 @@ static void handler(int sig, siginfo_t *info, void *ctx)
 
 static void unwatch_now(void)
 {
-    if (installed) {
-        for (int i = 0; i < NFATAL; i++)
-            sigaction(fatal[i], &before[i], NULL);
+    if (installed) {   /* (where a handler installed after this one chains to it, it stays: this one
+                        * then only passes the signal on) */
+        for (int i = 0; i < NFATAL; i++) {
+            struct sigaction now;
+            if (sigaction(fatal[i], NULL, &now) == 0 && (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == handler)
+                sigaction(fatal[i], &before[i], NULL);
+        }
         installed = 0;
     }
     if (m != NULL) {
