@@ -34,6 +34,21 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _built():
+    """(the built module, None), or (None, why not: not built, or built from other sources)."""
+    try:
+        from . import _callpath as mod   # type: ignore[attr-defined]
+    except ImportError as e:
+        built = any(f.startswith("_callpath.") and f.endswith((".so", ".pyd")) for f in os.listdir(HERE))
+        # without a build Python says "cannot import name ... (most likely due to a circular import)"
+        return None, (f"not built ({e})" if built else
+                      f"not built in {HERE} (python -m mpicomm._native in the source tree builds it)")
+    want = source_hash()
+    if want and getattr(mod, "SOURCE", None) != want:
+        return None, f"built from another version of its sources in {HERE} (rebuild: python -m mpicomm._native)"
+    return mod, None
+
+
 def _load():
     mode = os.environ.get("MPICOMM_NATIVE", "").strip()
     if mode not in ("", "0", "1"):
@@ -43,19 +58,7 @@ def _load():
                                    "built), '0' (the Python call path) or unset (compiled where built)")
     if mode == "0":
         return None, "MPICOMM_NATIVE=0"
-    try:
-        from . import _callpath as mod   # type: ignore[attr-defined]
-    except ImportError as e:
-        built = any(f.startswith("_callpath.") and f.endswith((".so", ".pyd")) for f in os.listdir(HERE))
-        # without a build Python says "cannot import name ... (most likely due to a circular import)"
-        mod, why = None, (f"not built ({e})" if built else
-                          f"not built in {HERE} (python -m mpicomm._native in the source tree builds it)")
-    else:
-        want = source_hash()
-        why = None if not want or getattr(mod, "SOURCE", None) == want else \
-            f"built from another version of its sources in {HERE} (rebuild: python -m mpicomm._native)"
-        if why:
-            mod = None
+    mod, why = _built()
     if mod is None and mode == "1":
         raise ImportError(f"MPICOMM_NATIVE=1 but mpicomm's compiled call path is {why}: pip install mpicomm "
                           "where a C compiler is, or run python -m mpicomm._native in the source tree")
@@ -69,14 +72,7 @@ def _crash_module():
     """The compiled module for the crash report (crash.c), also under ``MPICOMM_NATIVE=0``
     (which chooses the call path only); None where it is not built, or built from other
     sources."""
-    if callpath is not None:
-        return callpath
-    try:
-        from . import _callpath as mod   # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    want = source_hash()
-    return mod if not want or getattr(mod, "SOURCE", None) == want else None
+    return callpath if callpath is not None else _built()[0]
 
 
 crash = _crash_module()
