@@ -3,6 +3,8 @@ batch, buckets start during backward, no_sync, unused parameters, compression, b
 buffers, init_process_group against torch.distributed (gloo), and the reducer's fused
 path on tensors. The same checks on CUDA tensors are in test_gpu_torch.py (they call the
 ``check_*`` functions here with device="cuda")."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -326,23 +328,33 @@ def test_bf16_cpu_tensors_gather_and_broadcast(comm):
 # ---------------------------------------------------------------- buffers
 
 def check_buffers(device):
+    """broadcast_buffers=True broadcasts rank 0's buffers when torch DDP does (its
+    require_forward_param_sync): before the first forward, and before every forward that
+    follows a synchronised one (gradients on, not under no_sync), whatever that forward is."""
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     torch.manual_seed(r)
     m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5)).double().to(device)
     model = mt.DistributedDataParallel(m)
     stats = [torch.from_numpy(np.random.default_rng([q, 8]).standard_normal(5) + q) for q in range(n)]
-    with torch.no_grad():
-        m[1].running_mean.copy_(stats[r])
     m.eval()  # eval: forward reads the running statistics and leaves them
     x = torch.randn(3, 4, dtype=torch.float64, device=device)
-    with model.no_sync():
-        model(x)
-    torch.testing.assert_close(m[1].running_mean.cpu(), stats[r], rtol=0, atol=0)  # no_sync: not broadcast
-    with torch.no_grad():  # no grad: no step to synchronise, nothing broadcast
-        model(x)
-    torch.testing.assert_close(m[1].running_mean.cpu(), stats[r], rtol=0, atol=0)
-    model(x)  # a synchronised forward: rank 0's buffers first
-    torch.testing.assert_close(m[1].running_mean.cpu(), stats[0], rtol=0, atol=0)
+    # (how the forward runs, whether rank 0's statistics are there after it)
+    seq = [("no_grad", True),    # the first forward
+           ("no_grad", False),   # after one that synchronises nothing
+           ("no_sync", False),
+           ("sync", False),      # after a no_sync forward
+           ("sync", True),       # after a synchronised one
+           ("no_sync", True),    # the first micro-step of an accumulation
+           ("sync", False),
+           ("no_grad", True)]    # an evaluation right after a training step
+    for how, from_0 in seq:
+        with torch.no_grad():
+            m[1].running_mean.copy_(stats[r])
+        with torch.no_grad() if how == "no_grad" else model.no_sync() if how == "no_sync" \
+                else contextlib.nullcontext():
+            model(x)
+        torch.testing.assert_close(m[1].running_mean.cpu(), stats[0] if from_0 else stats[r], rtol=0, atol=0,
+                                   msg=lambda s, how=how: f"{how} forward in {seq}: {s}")
     assert int(m[1].num_batches_tracked) == 0
     m2 = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5)).double().to(device)
     with torch.no_grad():

@@ -3,7 +3,8 @@ branches that no rank or only some ranks use (find_unused_parameters), nn.Embedd
 sparse=True, a frozen layer in the optimizer of the overlapped step. Each is trained a few
 steps and compared with one process computing the same loss (the mean of the ranks' losses)
 on every rank's data: the parameters must be the same, and a parameter no rank used keeps
-.grad None, as autograd and DDP leave it. CPU tensors in float64 over MPI."""
+.grad None, as autograd and DDP leave it. A batch-norm model is compared with torch's own DDP
+(gloo): parameters, buffers and an evaluation after training. CPU tensors in float64 over MPI."""
 import pytest
 
 from launch_support import TORCH, require_module
@@ -407,3 +408,56 @@ def test_ranks_that_miss_different_parameters(comm, cap, overlap, accumulate):
     # (the comparisons above can fail: the layers some rank uses train, the rest stays put)
     start = Layers(seed=80)
     assert float((m.l2.weight.detach() - start.l2.weight.detach()).abs().max()) > 1e-3
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.conv = torch.nn.Conv2d(2, 4, 3).double()
+        self.bn = torch.nn.BatchNorm2d(4).double()
+        self.head = torch.nn.Linear(4 * 4 * 4, 3).double()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "no_sync"])
+def test_batch_norm_buffers_as_torch_ddp(comm, accumulate):
+    """Against torch's own DDP over gloo, on the same data (rank-dependent): a batch-norm model
+    trained 3 steps (with 2 micro-steps, the first under no_sync, where accumulating) and then
+    evaluated under torch.no_grad(). DDP broadcasts rank 0's buffers before the forward that
+    follows a synchronised one, whatever it is (the first micro-step, the evaluation): the
+    parameters, the running statistics on every rank and the evaluation's output must be
+    DDP's (float64: only the summation order may differ)."""
+    r = comm.get_rank()
+    mt.init_process_group(timeout=120)
+
+    def run(wrap):
+        m = ConvBN(seed=20 + r)   # different on every rank: both wrappers take rank 0's
+        model = wrap(m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for k in range(3):
+            g = torch.Generator().manual_seed(100 * k + r)
+            xs = [torch.randn(4, 2, 6, 6, generator=g, dtype=torch.float64) * (1 + r) + r for _ in range(2)]
+            if accumulate:
+                with model.no_sync():
+                    model(xs[0]).pow(2).mean().backward()
+            model(xs[1]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            out = model(torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(9 + r), dtype=torch.float64))
+        return out, m.state_dict()
+
+    out, sd = run(mt.DistributedDataParallel)
+    want_out, want_sd = run(torch.nn.parallel.DistributedDataParallel)
+    assert list(sd) == list(want_sd)
+    for k in sd:
+        torch.testing.assert_close(sd[k], want_sd[k], rtol=1e-10, atol=1e-12, msg=f"{k} on rank {r}")
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    assert int(sd["bn.num_batches_tracked"]) == 3 * (1 + accumulate)

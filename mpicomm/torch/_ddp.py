@@ -140,8 +140,10 @@ class DistributedDataParallel(nn.Module):
         it, so that the optimizer skips it; one accumulated under no_sync() counts); False (default) finishes the step the same way, so no rank waits, and
         then raises InvalidArgumentError naming the parameters. The parameters are those
         trainable at construction: freeze layers (requires_grad=False) before wrapping.
-    broadcast_buffers: broadcast rank 0's buffers before every forward that will be
-        synchronised (DDP's default).
+    broadcast_buffers: broadcast rank 0's buffers before the first forward and before
+        every forward that follows a synchronised one (grad on, not under no_sync), as DDP
+        (its default): an evaluation under no_grad right after a training step is then a
+        collective (every rank runs it), and sees rank 0's buffers.
     fusion_config: MindSpore split points, used instead of bucket_cap_mb.
     embedding_grads: how an ``nn.Embedding``'s lookup gradient is reduced: "auto"
         (default) gathers the step's ids and gradient rows from every rank and adds them
@@ -256,6 +258,11 @@ class DistributedDataParallel(nn.Module):
         self._size = get_group(group).size
         self._sync_enabled = True     # False inside no_sync()
         self._sync_step = True        # decided at forward time, as DDP does
+        # DDP's require_forward_param_sync: rank 0's buffers are broadcast before the first
+        # forward and before every forward that follows a synchronised one (grad on, not under
+        # no_sync), whatever that forward is: an evaluation under no_grad after a training step
+        # sees rank 0's statistics, and the first micro-step under no_sync gets them
+        self._buffers_due = True
         self._in_backward = False
         self._in_forward = False
         # the order gradients become ready in, recorded in the first synchronised backward
@@ -317,14 +324,15 @@ class DistributedDataParallel(nn.Module):
                 return self.module(*args, **kwargs)
             self._build()
         self._sync_step = self._sync_enabled
-        if (self.broadcast_buffers and self._buffer_sync is not None and self._size > 1
-                and self._sync_enabled and torch.is_grad_enabled()):
+        if self.broadcast_buffers and self._buffer_sync is not None and self._size > 1 and self._buffers_due:
             self._buffer_sync()
         self._in_forward = True
         try:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
         finally:
             self._in_forward = False
+        self._buffers_due = self._sync_enabled and torch.is_grad_enabled()
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
