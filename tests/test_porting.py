@@ -178,6 +178,51 @@ def test_oneflow_ddp_keywords(comm):
 
 
 @pytest.mark.mpi
+def test_torch_ddp_keywords(comm):
+    """torch DDP's keywords that a ported script passes (dim, static_graph, init_sync,
+    process_group, check_reduction, mixed_precision=None, ...): accepted where they ask for
+    what the wrapper does, init_sync=False keeps each rank's own parameters, and the values
+    it cannot do raise on every rank, naming what to write instead."""
+    torch = require_module("torch", TORCH)
+    import torch.distributed as dist
+    import mpicomm.torch as mt
+    from mpicomm.torch import DistributedDataParallel as ddp
+    rank, n = comm.get_rank(), comm.get_group_size()
+    mt.init_process_group("gloo")
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Linear(3, 2)
+
+    want = [p.detach().clone() for p in model(100).parameters()]   # rank 0's draw
+    w = ddp(model(100 + rank), dim=0, static_graph=True, check_reduction=False, mixed_precision=None,
+            process_group=dist.group.WORLD, init_sync=True, skip_all_reduce_unused_params=False)
+    assert all(torch.equal(p, q) for p, q in zip(w.module.parameters(), want))
+    own = [p.detach().clone() for p in model(100 + rank).parameters()]
+    w = ddp(model(100 + rank), init_sync=False)
+    assert all(torch.equal(p, q) for p, q in zip(w.module.parameters(), own))
+    assert n == 1 or rank == 0 or not all(torch.equal(p, q) for p, q in zip(own, want))
+    for kw, says in ((dict(static_graph=1), "True or False"),
+                     (dict(init_sync="yes"), "True or False"),
+                     (dict(dim=1.5), "an int"),
+                     (dict(mixed_precision=object()), "compression='bf16'"),
+                     (dict(device_mesh=object()), "group="),
+                     (dict(check_reduction=True), "find_unused_parameters"),
+                     (dict(process_group=dist.group.WORLD, group="world"), "mpicomm.create_group")):
+        with pytest.raises(InvalidArgumentError, match=f"invalid {next(iter(kw))}=") as info:
+            ddp(model(1), **kw)
+        assert says in str(info.value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap'"):
+        ddp(model(1), bucket_cap=25)
+    sub = dist.new_group([0])   # (collective: every rank makes it)
+    if n > 1:   # a group of rank 0 alone is not the world: refused on every rank, naming group=
+        with pytest.raises(InvalidArgumentError, match="invalid process_group=") as info:
+            ddp(model(1), process_group=sub)
+        assert "mpicomm.create_group(name, ranks)" in str(info.value)
+    comm.barrier()
+
+
+@pytest.mark.mpi
 def test_paddle_example_equals_one_process(comm):
     mod = _script("port_paddle")
     n = comm.get_group_size()

@@ -114,6 +114,54 @@ def _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size):
                       "all_reduce per parameter)")
 
 
+# torch DDP's keywords that change nothing here, each with the value that asks for nothing
+# more (accepted), and what to write instead of any other value
+_TORCH_ONLY = {
+    "check_reduction": (False, "False or left out (deprecated in torch; the wrapper names a parameter that "
+                        "got no gradient itself: find_unused_parameters)"),
+    "mixed_precision": (None, "None or left out; for gradients that travel in half precision give "
+                        "compression='bf16' or 'fp16'"),
+    "device_mesh": (None, "None or left out; train a sub-group with group= (a name from mpicomm.create_group)"),
+    "delay_all_reduce_named_params": (None, "None or left out (every bucket's all_reduce starts during backward)"),
+    "param_to_hook_all_reduce": (None, "None or left out (every bucket's all_reduce starts during backward)"),
+    "skip_all_reduce_unused_params": (False, "False or left out; see find_unused_parameters"),
+}
+
+
+def _torch_keywords(dim, init_sync, static_graph, rest):
+    """torch DDP's keywords (dim, init_sync, static_graph and the rare ones in _TORCH_ONLY):
+    accept what this wrapper does, refuse the rest saying what to write."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise invalid("dim", dim, "an int (torch DDP scatters inputs along it between a process's devices; "
+                      "here each rank has one device, so it is not used)")
+    _flag("init_sync", init_sync)
+    _flag("static_graph", static_graph)
+    for k, v in rest.items():
+        if k not in _TORCH_ONLY:
+            raise TypeError(f"DistributedDataParallel() got an unexpected keyword argument {k!r}")
+        default, allowed = _TORCH_ONLY[k]
+        if v is not default and v != default:
+            raise invalid(k, v, allowed)
+
+
+def _process_group(process_group, group):
+    """torch DDP's process_group (after init): None or torch's world group over every rank in
+    order is the world (group None); anything else is refused, naming group=."""
+    if process_group is None:
+        return group
+    import torch.distributed as dist
+
+    try:
+        ranks = dist.get_process_group_ranks(process_group)
+    except Exception:
+        ranks = None
+    if group is not None or ranks != list(range(CTX.world.size)):
+        raise invalid("process_group", process_group,
+                      "None, or torch's world group over every rank in order (mpicomm.torch.init_process_group's); "
+                      "for a sub-group give group= the name of an mpicomm.create_group(name, ranks)")
+    return None
+
+
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over mpicomm's group.
 
@@ -127,6 +175,15 @@ class DistributedDataParallel(nn.Module):
 
     device_ids, output_device: accepted for torch DDP's call form and not used (the
         module's parameters decide the devices).
+    dim, static_graph, check_reduction: accepted for torch DDP's call form, no effect
+        (each rank has one device; the buckets follow the gradients' order after the first
+        backward whatever static_graph says). init_sync=False leaves out the broadcast of
+        rank 0's parameters and buffers at construction (the ranks must already agree).
+        process_group: None or torch's world group (init_process_group's); a sub-group is
+        an mpicomm group name, ``group=``. mixed_precision, device_mesh,
+        delay_all_reduce_named_params, param_to_hook_all_reduce and
+        skip_all_reduce_unused_params: only their defaults (InvalidArgumentError says what
+        to write instead, e.g. ``compression="bf16"``).
     gradient_as_bucket_view: accepted (True or False) for torch DDP's call form: the
         gradients are always views of their buckets, as torch's True makes them (with
         False they would be tensors of their own: the values are the same).
@@ -184,9 +241,10 @@ class DistributedDataParallel(nn.Module):
                  gradients_mean=True, compression=None, find_unused_parameters=False,
                  broadcast_buffers=True, fusion_config=None, embedding_grads="auto", group=None, optimizer=None,
                  overlap_step=False, gradient_as_bucket_view=True, broadcast_parameters=True, use_bucket=True,
-                 bucket_size=None):
+                 bucket_size=None, dim=0, init_sync=True, static_graph=False, process_group=None, **torch_ddp):
         super().__init__()
         _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size)
+        _torch_keywords(dim, init_sync, static_graph, torch_ddp)
         # what a copy (copy.deepcopy, pickle) is rebuilt from (__getstate__)
         self._ctor = dict(bucket_cap_mb=bucket_cap_mb, gradients_mean=gradients_mean, compression=compression,
                           find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
@@ -219,6 +277,7 @@ class DistributedDataParallel(nn.Module):
             from .. import init
 
             init()
+        group = self._ctor["group"] = _process_group(process_group, group)
         # each rank's own GPU where the program chose none (PyTorch's default is GPU 0 on every rank)
         select_local_device(CTX.local_rank)
         self.module = module
@@ -235,7 +294,7 @@ class DistributedDataParallel(nn.Module):
         _same_model_everywhere(module, group)
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
-            if every:
+            if every and init_sync:
                 _broadcast_parameters(every, root=0, group=group)
         self.reducer = DistributedGradReducer(self._params, mean=gradients_mean, bucket_cap_mb=bucket_cap_mb,
                                               fusion_config=fusion_config, compression=compression, group=group,
