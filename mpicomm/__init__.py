@@ -23,6 +23,10 @@ from ._ops import ReduceOp
 
 __version__ = "0.1.0"
 
+# mindspore.communication's names for the world group (any group= argument takes them)
+NCCL_WORLD_COMM_GROUP = "nccl_world_group"
+HCCL_WORLD_COMM_GROUP = "hccl_world_group"
+
 # Data-parallel training helpers, imported on first use (mpicomm.DistributedGradReducer, ...).
 _LAZY = {
     "DistributedGradReducer": "training.reducer", "all_reduce_coalesced": "training.fused",
@@ -68,7 +72,7 @@ __all__ = [
     "init", "finalize", "is_initialized", "get_backend",
     "get_rank", "get_group_size", "get_local_rank", "get_local_size", "get_local_rank_size",
     "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
-    "ReduceOp", "Work",
+    "NCCL_WORLD_COMM_GROUP", "HCCL_WORLD_COMM_GROUP", "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
     "send", "recv", "barrier", "dump_flight_record", "replay", "capture", "Captured",
     "gather", "scatter", "sendrecv", "batch", "P2POp", "batch_isend_irecv", "AllGatherV", "ReduceScatterV",

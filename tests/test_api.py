@@ -231,6 +231,17 @@ def test_init_hccl_says_what_to_use():
     assert "invalid backend='hccl'" in msg and "'nccl'" in msg and "'mpi'" in msg and "Ascend" in msg
 
 
+def test_mindspore_world_group_constants():
+    """mindspore.communication's NCCL_WORLD_COMM_GROUP and HCCL_WORLD_COMM_GROUP (MindSpore's
+    tests/st/nccl import them from mindspore.communication.management): the world's names."""
+    from mpicomm import HCCL_WORLD_COMM_GROUP, NCCL_WORLD_COMM_GROUP
+    from mpicomm._state import WORLD_ALIASES
+
+    assert NCCL_WORLD_COMM_GROUP == "nccl_world_group" and HCCL_WORLD_COMM_GROUP == "hccl_world_group"
+    assert {NCCL_WORLD_COMM_GROUP, HCCL_WORLD_COMM_GROUP} <= WORLD_ALIASES
+    assert {"NCCL_WORLD_COMM_GROUP", "HCCL_WORLD_COMM_GROUP"} <= set(mpicomm.__all__)
+
+
 @mpi
 def test_mindspore_ops_module(comm):
     """from mpicomm import ops: MindSpore's operator classes, as mindspore.ops has them."""
