@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -96,3 +97,28 @@ def netns_lock():
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def launcher_failing_first(tmp_path, times, message):
+    """A launcher that prints ``message`` and exits 213 on its first ``times`` job starts
+    (as Open MPI 5's prterun does when its PMIx listener thread fails to start), then is the
+    real mpirun; ``--version`` is always the real one's. Returns (its path, the file that
+    counts its starts)."""
+    from mpicomm.launch.mpirun import find_mpirun
+
+    real = find_mpirun()
+    count = tmp_path / "starts"
+    fake = tmp_path / "mpirun"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" != --version ]; then
+    echo x >> {shlex.quote(str(count))}
+    if [ "$(wc -l < {shlex.quote(str(count))})" -le {times} ]; then
+        printf '%s\\n' '--------------------------------------------------------------------------' \\
+            {shlex.quote(message)} 'continue.' >&2
+        exit 213
+    fi
+fi
+exec {shlex.quote(real)} "$@"
+""")
+    fake.chmod(0o755)
+    return fake, count

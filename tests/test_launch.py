@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import left_behind
-from launch_support import ROOT, clean_mpi_env, have_mpirun, netns_lock, require, run_cli, spawns_mpirun
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, launcher_failing_first, netns_lock, require, run_cli,
+                            spawns_mpirun)
 from mpicomm.launch import allocation as al
 from mpicomm.launch import hostfile as hf
 from mpicomm.launch import mpirun as mr
@@ -1025,28 +1026,41 @@ def test_launch_timeout_bad_value_is_refused():
     assert "mpicomm-run: error: --launch-timeout '0': expected a number of seconds > 0" in p.stderr, p.stderr
 
 
+def _until(cond, limit=10):
+    deadline = time.monotonic() + limit
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
 def test_startup_watch_counts_reports_and_names_missing_hosts():
-    """The listening side and the ranks' report, over this host's loopback."""
+    """The listening side and the ranks' report, over this host's loopback: each rank's
+    connection stays open while its process lives, and its closing counts the rank as ended."""
     from mpicomm.launch.startup import StartupWatch, report
 
     w = StartupWatch(["localhost"], ["hostA", "hostB.example"], 3)
+    held = []
     try:
         port = w.address.rpartition(":")[2]
-        report(f"127.0.0.1:{port}", 0, host="hostA")
-        report(f"127.0.0.1:{port}", 1, host="hostA")
-        deadline = time.monotonic() + 10
-        while len(w.started) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        held += [report(f"127.0.0.1:{port}", 0, host="hostA"), report(f"127.0.0.1:{port}", 1, host="hostA")]
+        assert _until(lambda: len(w.started) == 2)
         assert w.started == {0: "hostA", 1: "hostA"}
         assert not w.all_started()
         assert w.missing_hosts() == ["hostB.example"]
         assert w.summary() == "2 of 3 ranks started; by host: hostA (2)"
-        report(f"127.0.0.1:{port}", 2, host="hostB")
-        deadline = time.monotonic() + 10
-        while not w.all_started() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert w.all_started() and w.missing_hosts() == []
+        held[0].close()   # rank 0 has ended
+        assert _until(lambda: w.exited == {0})
+        held.append(report(f"127.0.0.1:{port}", 2, host="hostB"))
+        assert _until(w.all_started) and w.missing_hosts() == []
+        assert not w.all_exited()
+        held[2].close()
+        assert _until(lambda: w.exited == {0, 2}) and not w.all_exited()
+        held[1].close()
+        assert _until(w.all_exited)
+        assert report("127.0.0.1:1", 0) is None   # nobody listening: None, no exception
     finally:
+        for h in held:
+            h.close()
         w.close()
 
 
@@ -1154,28 +1168,6 @@ def test_startup_probe_runs_the_configured_agent(tmp_path):
         missing.close()
 
 
-def _launcher_failing_first(tmp_path, times, message):
-    """A launcher that prints ``message`` and exits 213 on its first ``times`` job starts
-    (as Open MPI 5's prterun does when its PMIx listener thread fails to start), then is the
-    real mpirun; ``--version`` is always the real one's."""
-    real = mr.find_mpirun()
-    count = tmp_path / "starts"
-    fake = tmp_path / "mpirun"
-    fake.write_text(f"""#!/bin/sh
-if [ "$1" != --version ]; then
-    echo x >> {shlex.quote(str(count))}
-    if [ "$(wc -l < {shlex.quote(str(count))})" -le {times} ]; then
-        printf '%s\\n' '--------------------------------------------------------------------------' \\
-            {shlex.quote(message)} 'continue.' >&2
-        exit 213
-    fi
-fi
-exec {shlex.quote(real)} "$@"
-""")
-    fake.chmod(0o755)
-    return fake, count
-
-
 @spawns_mpirun
 @needs_mpirun
 @pytest.mark.parametrize("times", [1, 2, 3])
@@ -1183,7 +1175,7 @@ def test_launcher_start_failure_is_tried_again(tmp_path, times):
     """Open MPI 5's launcher now and then fails on its own before starting any rank ("The
     PMIx server's listener thread failed to start"): mpicomm-run starts the job again, up to
     3 tries, and each rank runs once; a third failure is the job's status."""
-    fake, count = _launcher_failing_first(tmp_path, times, "The PMIx server's listener thread failed to start. We cannot")
+    fake, count = launcher_failing_first(tmp_path, times, "The PMIx server's listener thread failed to start. We cannot")
     ran = tmp_path / "ran"
     script = tmp_path / "s.py"
     script.write_text(f"from mpi4py import MPI\nopen({str(ran)!r} + '.%d' % MPI.COMM_WORLD.rank, 'x').close()\n")
@@ -1204,7 +1196,7 @@ def test_launcher_start_failure_is_tried_again(tmp_path, times):
 @spawns_mpirun
 @needs_mpirun
 def test_other_launcher_failures_are_not_tried_again(tmp_path):
-    fake, count = _launcher_failing_first(tmp_path, 1, "ORTE was unable to reliably start one or more daemons.")
+    fake, count = launcher_failing_first(tmp_path, 1, "ORTE was unable to reliably start one or more daemons.")
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     proc = _run(["-n", "1", "--mpirun", str(fake), str(script)])

@@ -13,13 +13,14 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from launch_support import (ROOT, clean_mpi_env, have_mpirun, netns_lock, netns_refused, require, run_cli,
-                            spawns_mpirun, world_size_from_env)
+from launch_support import (ROOT, clean_mpi_env, have_mpirun, launcher_failing_first, netns_lock, netns_refused,
+                            require, run_cli, spawns_mpirun, world_size_from_env)
 
 SCRIPT = os.path.join(ROOT, "scripts", "netns_cluster.sh")
 STATE = "/run/mpicomm-netns-test"
@@ -192,13 +193,66 @@ def test_calls_that_differ_between_hosts_end_the_job(tmp_path, cluster, calls_af
                      clean_mpi_env({"MPICOMM_TRACE_DIR": str(tmp_path)}), timeout=300)
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
+    print(out)   # the whole job's output, shown where the test fails
     assert proc.returncode != 0, out
     reports = [ln for ln in out.splitlines() if "CollectiveMismatchError:" in ln and "two hosts" in ln]
     assert reports, out[-4000:]
     text = "\n".join(reports)
     assert "float32" in text and "int32" in text and "all_reduce sequence 2" in text, text
     assert "rank 3: done" not in out or calls_after == 0, out[-3000:]   # ended before 5 s of calls
-    assert took < 100, took
+    assert took < 100, (took, out[-8000:])
+
+
+@spawns_mpirun
+@pytest.mark.timeout(300)
+def test_mpirun_left_running_after_every_rank_ended_is_ended(tmp_path, cluster):
+    """Open MPI 5's daemons now and then leave a two-host job's end unfinished after an
+    MPI_Abort on both hosts at once: every rank's process is gone, and mpirun waits on. Here
+    an mpirun that waits on after its job (a wrapper around the real one, which sleeps once
+    the real mpirun has returned) stands for it: mpicomm-run sees every rank's connection
+    close and ends it 15 s later with exit status 1, saying so, instead of at --timeout."""
+    real = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\n"
+                    f'case "$1" in --version|-V) exec {real} "$@";; esac\n'
+                    f'{real} "$@"\n'
+                    'echo "fake mpirun: the job has ended, waiting on" >&2\n'
+                    "sleep 600\n")
+    fake.chmod(0o755)
+    script = tmp_path / "ends.py"
+    script.write_text("import mpicomm\nmpicomm.init(backend='mpi')\nr = mpicomm.get_rank()\n"
+                      "print(f'rank {r}: sum {int(mpicomm.all_reduce(__import__(\"numpy\").arange(3) + r).sum())}', "
+                      "flush=True)\nmpicomm.finalize()\n")
+    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "240", "--mpirun", str(fake), str(script)),
+                     clean_mpi_env(), timeout=280)
+    out = proc.stdout + proc.stderr
+    want = sum(3 * r + 3 for r in range(4))   # sum over ranks of arange(3) + r
+    assert sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")) == \
+        [f"rank {r}: sum {want}" for r in range(4)], out
+    assert "fake mpirun: the job has ended, waiting on" in proc.stderr, out
+    assert proc.returncode == 1, out
+    assert "every rank's process has ended, but mpirun was still running 15 s after the last one" in proc.stderr, out
+    assert "the job ran longer than --timeout" not in proc.stderr, out
+
+
+@spawns_mpirun
+@pytest.mark.timeout(300)
+def test_launcher_start_failure_on_two_hosts_is_tried_again(tmp_path, cluster):
+    """Open MPI 5's launcher failing on its own before starting any rank ("The PMIx server's
+    listener thread failed to start"), in a job on two hosts: mpicomm-run starts it again
+    with a new start-up watch (the wrappers report to the new one), and every rank runs once."""
+    fake, count = launcher_failing_first(tmp_path, 1, "The PMIx server's listener thread failed to start. We cannot")
+    script = tmp_path / "s.py"
+    script.write_text("import socket\nfrom mpi4py import MPI\n"
+                      f"open({str(tmp_path)!r} + '/ran.%d.' % MPI.COMM_WORLD.rank + socket.gethostname(), 'x').close()\n")
+    proc = _on_node1(run_cli("--hostfile", cluster, "-n", "4", "--timeout", "240", "--mpirun", str(fake), str(script)),
+                     clean_mpi_env(), timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert len(count.read_text().splitlines()) == 2, out
+    assert "starting the job again, try 2 of 3" in proc.stderr, out
+    assert sorted(p.name for p in tmp_path.glob("ran.*")) == \
+        ["ran.0.node1", "ran.1.node1", "ran.2.node2", "ran.3.node2"], out
 
 
 CAUGHT = r'''

@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from mpicomm.errors import MpicommError
 from mpicomm.launch import allocation as _allocation
@@ -43,6 +44,7 @@ _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TIMEOUT_EXIT = 124  # as coreutils' timeout
 LAUNCH_TIMEOUT_S = 60.0  # seconds for every rank of a multi-host job to start
 _GRACE_S = 10.0
+_EXIT_GRACE_S = 15.0   # mpirun still running this long after every rank's process ended: ended
 # Python's own options that take a value (python -W error script.py).
 _PY_VALUE_OPTIONS = {"-W", "-X", "--check-hash-based-pycs"}
 _ROOT_MARKER = "root-notice-shown"
@@ -364,9 +366,11 @@ def _wait(proc, env, timeout, watch, launch_timeout):
                 else:
                     print(f"mpicomm-run: every host answers `{name} HOST true` now: the ranks were slow to start "
                           "(raise --launch-timeout) or mpirun's output above says why", file=sys.stderr, flush=True)
+                watch.close()
                 return TIMEOUT_EXIT
-        finally:
+        except BaseException:
             watch.close()
+            raise
 
     def forward(signum, frame):
         proc.send_signal(signum)
@@ -375,7 +379,14 @@ def _wait(proc, env, timeout, watch, launch_timeout):
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         try:
-            code = proc.wait(timeout=timeout)
+            code = _wait_mpirun(proc, timeout, watch)
+            if code is None:   # every rank gone, mpirun left hanging
+                print(f"mpicomm-run: every rank's process has ended, but {os.path.basename(proc.args[0])} "
+                      f"was still running {_EXIT_GRACE_S:g} s after the last one (Open MPI's daemons left "
+                      "the job's end unfinished); ending it with exit status 1 (the ranks' own statuses "
+                      "are not known here; their output above says how each ended)", file=sys.stderr, flush=True)
+                _end_group(proc, grace=3.0)
+                return 1
         except subprocess.TimeoutExpired:
             print(f"mpicomm-run: the job ran longer than --timeout {timeout:g} s; "
                   f"ending it", file=sys.stderr, flush=True)
@@ -392,7 +403,30 @@ def _wait(proc, env, timeout, watch, launch_timeout):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if watch is not None:
+            watch.close()
     return 128 - code if code < 0 else code
+
+
+def _wait_mpirun(proc, timeout, watch):
+    """mpirun's exit status; None where the start-up ``watch`` saw every rank's process end
+    and mpirun was still running _EXIT_GRACE_S later. Raises subprocess.TimeoutExpired
+    after ``timeout`` seconds (None: no limit)."""
+    if watch is None:
+        return proc.wait(timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    gone = None   # when every rank was first seen ended
+    while True:
+        step = 0.5 if deadline is None else min(0.5, max(deadline - time.monotonic(), 0.0))
+        try:
+            return proc.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        if gone is None and watch.all_exited():
+            gone = time.monotonic()
+        if gone is not None and time.monotonic() - gone > _EXIT_GRACE_S:
+            return None
 
 
 def _notice(text):
@@ -616,7 +650,6 @@ def main(argv=None):
             notices += _python_notice(words[0], python, env, args.dry_run)
         launch_timeout = LAUNCH_TIMEOUT_S if args.launch_timeout is None else \
             _positive_number(args.launch_timeout, "--launch-timeout", float)
-        program, watch = _wrap_program(args, hosts, nprocs, program, python)
         as_root = os.geteuid() == 0 and flavour.family == "openmpi"
         added_env = {}
         if flavour.family == "openmpi" and "OMPI_MCA_osc" not in env:
@@ -624,11 +657,16 @@ def main(argv=None):
             # window and prints an error where no UCX device exists.
             added_env["OMPI_MCA_osc"] = "^ucx"
         env.update(added_env)
-        command = _mpirun.build_command(flavour, mpirun, nprocs, program, hosts=hosts,
-                                        oversubscribe=oversubscribe,
-                                        forward=forward, set_env=set_env,
-                                        as_root=as_root, map_by=args.map_by,
-                                        bind_to=bind_to, rank_by=args.rank_by)
+
+        def launch(program=program):
+            """(mpirun's command, the start-up watch or None): a new watch for every try"""
+            program, watch = _wrap_program(args, hosts, nprocs, program, python)
+            return _mpirun.build_command(flavour, mpirun, nprocs, program, hosts=hosts,
+                                         oversubscribe=oversubscribe, forward=forward, set_env=set_env,
+                                         as_root=as_root, map_by=args.map_by, bind_to=bind_to,
+                                         rank_by=args.rank_by), watch
+
+        command, watch = launch()
     except MpicommError as exc:
         for text in notices:
             _notice(text)
@@ -645,10 +683,10 @@ def main(argv=None):
                     "refuses root without it); shown once, remembered in "
                     f"{_cache_dir(os.environ)}")
     for attempt in range(1, _START_TRIES + 1):
+        if attempt > 1:
+            command, watch = launch()   # (the ranks' wrappers report to a new watch's address)
         code, failed_to_start = _run(command, env, timeout, watch, launch_timeout)
-        # Only where no start-up watch is needed (one host): the watch's program argv names
-        # its address, which does not outlive one try.
-        if code == 0 or not failed_to_start or watch is not None or attempt == _START_TRIES:
+        if code == 0 or not failed_to_start or attempt == _START_TRIES or (watch and watch.started):
             return code
         print(f"mpicomm-run: {os.path.basename(mpirun)} failed on its own before starting any rank "
               f"(exit {code}; its message is above); starting the job again, try {attempt + 1} "

@@ -2,7 +2,8 @@
 [--log-dir DIR] -- PROGRAM...``.
 
 ``--report ADDR``: tell mpicomm-run (listening at host:port ADDR) that this rank has
-started, before anything else (mpicomm-run's start-up watch of multi-host jobs).
+started, before anything else (mpicomm-run's start-up watch of multi-host jobs), over a
+connection the program inherits and holds until its process ends.
 
 ``--log-dir DIR``: mpicomm-run puts this in front of the program when ``--log-dir`` is given. Each rank
 writes its output to ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr``; rank 0's output
@@ -95,7 +96,10 @@ def main(argv=None):
     if "--report" in opts:
         from .startup import report
 
-        report(opts["--report"], rank)
+        # held open until this rank's process ends: the program exec'd below inherits it
+        held = report(opts["--report"], rank)
+        if held is not None:
+            os.set_inheritable(held.fileno(), True)
     log_dir = opts.get("--log-dir")
     if log_dir is None:
         try:

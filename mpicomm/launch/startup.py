@@ -6,10 +6,16 @@ sends its host name and rank, then runs the program. When not every rank has rep
 within ``--launch-timeout`` seconds, mpicomm-run names the hosts none of whose ranks
 started (their ssh never completed: a host that does not answer, a firewall dropping
 packets) and ends mpirun's whole process group, the ssh processes included.
+
+Each rank keeps its connection open until its process ends (the wrapper passes the socket
+on to the program it execs), so the watch also sees every rank leave: where mpirun is still
+there well after the last rank has gone (Open MPI 5's daemons can leave a job's end
+unfinished after an MPI_Abort on two hosts at once), mpicomm-run ends it.
 """
 from __future__ import annotations
 
 import os
+import selectors
 import shlex
 import shutil
 import socket
@@ -62,6 +68,7 @@ class StartupWatch:
         self.nprocs = nprocs
         self.expected = list(expected_hosts)   # the hosts that get ranks, in order
         self.started = {}                      # rank -> host name it reported
+        self.exited = set()                    # ranks whose connection has closed
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("0.0.0.0", 0))
@@ -73,30 +80,56 @@ class StartupWatch:
         self._thread.start()
 
     def _serve(self):
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
         while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
-                continue
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while not data.endswith(b"\n") and len(data) < 512:
-                        chunk = conn.recv(512)
-                        if not chunk:
-                            break
-                        data += chunk
-                except OSError:
+            for key, _ in sel.select(timeout=0.2):
+                if key.data is None:   # a new connection
+                    try:
+                        conn, _ = self._sock.accept()
+                    except OSError:
+                        continue
+                    conn.setblocking(False)
+                    sel.register(conn, selectors.EVENT_READ, [b"", None])
                     continue
-            parts = data.decode("utf-8", "replace").split()
-            if len(parts) == 2 and parts[1].isdigit():
-                with self._lock:
-                    self.started[int(parts[1])] = parts[0]
+                conn, state = key.fileobj, key.data
+                try:
+                    chunk = conn.recv(512)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk and state[1] is None:   # the start line: "HOST RANK\n"
+                    state[0] += chunk
+                    if state[0].endswith(b"\n") or len(state[0]) >= 512:
+                        parts = state[0].decode("utf-8", "replace").split()
+                        if len(parts) == 2 and parts[1].isdigit():
+                            state[1] = int(parts[1])
+                            with self._lock:
+                                self.started[state[1]] = parts[0]
+                        else:
+                            state[1] = -1
+                    continue
+                if chunk:
+                    continue
+                sel.unregister(conn)   # closed: the rank's process has ended
+                conn.close()
+                if state[1] is not None and state[1] >= 0:
+                    with self._lock:
+                        self.exited.add(state[1])
+        for key in list(sel.get_map().values()):
+            if key.fileobj is not self._sock:
+                key.fileobj.close()
+        sel.close()
 
     def all_started(self):
         with self._lock:
             return len(self.started) >= self.nprocs
+
+    def all_exited(self):
+        """Every rank reported its start and its process has ended since."""
+        with self._lock:
+            return len(self.exited) >= self.nprocs
 
     def wait(self, proc, timeout):
         """Wait until every rank has started, ``proc`` (mpirun) has ended, or ``timeout``
@@ -165,11 +198,18 @@ class StartupWatch:
 
 
 def report(address, rank, host=None):
-    """Tell mpicomm-run at ``address`` (host:port) that ``rank`` has started; never raises."""
+    """Tell mpicomm-run at ``address`` (host:port) that ``rank`` has started; never raises.
+    Returns the connected socket, to be held open for as long as the rank's process lives
+    (its closing tells mpicomm-run the rank has ended), or None where it could not connect."""
     host = host or socket.gethostname()
     ip, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((ip, int(port)), timeout=10) as s:
-            s.sendall(f"{host} {rank}\n".encode())
+        s = socket.create_connection((ip, int(port)), timeout=10)
     except (OSError, ValueError):
-        pass
+        return None
+    try:
+        s.sendall(f"{host} {rank}\n".encode())
+    except OSError:
+        s.close()
+        return None
+    return s
