@@ -56,6 +56,12 @@ CASES = {
                        lambda n: [rf"rank {_not_last(n)}: all_gather\b", rf"rank {n - 1}: barrier\b"]),
     "barrier_object": ("mpicomm.barrier() if r < n - 1 else mpicomm.gather_object(r)",
                        lambda n: [rf"rank {_not_last(n)}: barrier\b", rf"rank {n - 1}: gather, root 0\b"]),
+    # a broadcast root (and the members it reaches) return at once and go on: the member left
+    # blocked names their call from the description they publish of the call they returned
+    # from (it said "rank 0: another call")
+    "returned_root": ("mpicomm.all_reduce(x) if r == n - 1 else mpicomm.broadcast(x, root=0)",
+                      lambda n: [rf"rank {_not_last(n)}: broadcast of 8 x float64, root 0\b",
+                                 rf"rank {n - 1}: all_reduce of 8 x float64, op sum\b"]),
     # a blocking recv (or a send too large to go out eagerly) with rank 1 before the collective
     # that rank 1 waits in: rank 1 names both (rank 0 cannot say which call it waits for)
     "recv_before_collective": ("mpicomm.recv(np.empty(8), 1, tag=3) if r == 0 else mpicomm.all_reduce(x)",

@@ -217,6 +217,13 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             w = m[disp.cb + (e >> 4) % agr.CALLS_N]
             if not (w >> 32 == e >> 4 and w & 0xFFFFFFFF == agr.REFUSED):
                 want.append(e >> 4)
+        if not pw and d >> 4:
+            # and the call this rank returned from last: a member still blocked in it (this rank
+            # was a broadcast root, or its call returned at once) names it in its report, not as
+            # "another call"
+            w = m[disp.cb + (d >> 4) % agr.CALLS_N]
+            if w >> 32 == d >> 4 and w & 0xFFFFFFFF != agr.REFUSED:
+                want.append(d >> 4)
         if pw:
             k, who = agr.poison_fields(pw)
             if who != self.progress.wrank and k <= e >> 4:
