@@ -34,7 +34,15 @@ def rank_of_world():
 
 
 def say(*parts):
-    print(f"RESULT rank={rank_of_world()}", *parts, flush=True)
+    """A RESULT line on stdout, and in RELIABILITY_RESULTS/rank{R} where the test names that
+    folder (mpirun forwards the ranks' output in chunks: a long line of one rank can be cut by
+    another rank's line, so the tests read the files)."""
+    line = " ".join([f"RESULT rank={rank_of_world()}", *map(str, parts)])
+    print(line, flush=True)
+    folder = os.environ.get("RELIABILITY_RESULTS")
+    if folder:
+        with open(os.path.join(folder, f"rank{rank_of_world()}"), "a") as f:
+            f.write(line + "\n")
 
 
 def expect_error(kind, fn):

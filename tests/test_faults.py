@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -49,12 +50,17 @@ CPU = pytest.param(False, id="cpu")  # not "mpi": pytest-mpi reads ids as marker
 def _trace_dir(tmp_path, monkeypatch):
     """A rank that reports a timeout writes its flight record: into the test's directory."""
     monkeypatch.setenv("MPICOMM_TRACE_DIR", str(tmp_path / "traces"))
+    (tmp_path / "results").mkdir()
+    monkeypatch.setenv("RELIABILITY_RESULTS", str(tmp_path / "results"))   # (run() makes a folder a job there)
 
 
 def run(n, mode, gpu=False, limit=120, env=None, token=None):
     argv = mpirun_argv(n, WORKER, mode, *(["--gpu"] if gpu else []), *([token] if token else []))
-    e = clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT), **(env or {})})
-    return run_job(argv, e, limit)
+    folder = tempfile.mkdtemp(prefix="job", dir=os.environ["RELIABILITY_RESULTS"])   # the ranks' RESULT lines
+    e = clean_mpi_env({"MPICOMM_TIMEOUT": str(TIMEOUT), "RELIABILITY_RESULTS": folder, **(env or {})})
+    p, took = run_job(argv, e, limit)
+    p.results_dir = folder
+    return p, took
 
 
 def timeout_report(n, mode, env=None):
@@ -67,9 +73,13 @@ def timeout_report(n, mode, env=None):
 
 
 def results(p):
-    """{rank: [result line, ...]} from the RESULT lines of every rank."""
+    """{rank: [result line, ...]} from the RESULT lines of every rank: from the files the ranks
+    wrote (run()'s jobs), else from the job's stdout."""
+    folder = getattr(p, "results_dir", None)
+    text = p.stdout if folder is None else "".join(
+        open(os.path.join(folder, f)).read() for f in sorted(os.listdir(folder)))
     out = {}
-    for m in re.finditer(r"^RESULT rank=(\d+) (.*)$", p.stdout, re.M):
+    for m in re.finditer(r"^RESULT rank=(\d+) (.*)$", text, re.M):
         out.setdefault(int(m.group(1)), []).append(m.group(2))
     return out
 
