@@ -878,8 +878,9 @@ def test_find_unused_parameters(comm):
 def test_buffers_broadcast_from_rank_0(comm):
     """test_ddp_broadcast_buffer / BatchNorm running stats: every forward that will be
     synchronised starts from rank 0's buffers (taken at construction too), then updates them
-    with this rank's batch; broadcast_buffers=False keeps each rank's own; a forward under
-    no_grad does not broadcast."""
+    with this rank's batch; broadcast_buffers=False keeps each rank's own. As in DDP, the first
+    forward after a synchronised one broadcasts whatever it is (an evaluation under no_grad
+    sees rank 0's statistics), and a forward after an unsynchronised one does not."""
     n, r = mpicomm.get_group_size(), mpicomm.get_rank()
     mom = 0.1
 
@@ -920,7 +921,16 @@ def test_buffers_broadcast_from_rank_0(comm):
         before = m[1].running_mean.clone()
         m.eval()
         with torch.no_grad():
-            model(x[0, :2])   # eval and no_grad: no broadcast, no update
+            model(x[0, :2])   # eval: no update; after a synchronised forward, rank 0's buffers first
+        if bcast:
+            np.testing.assert_allclose(m[1].running_mean.double().numpy(), mean0, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(m[1].running_var.double().numpy(), var0, rtol=1e-5, atol=1e-6)
+            assert n == 1 or r == 0 or not torch.equal(m[1].running_mean, before)
+        else:
+            assert torch.equal(m[1].running_mean, before)
+        with torch.no_grad():   # rank r's own statistics again: the next forward follows an
+            m[1].running_mean.copy_(before)   # unsynchronised one, so nothing is broadcast
+            model(x[0, :2])
         assert torch.equal(m[1].running_mean, before)
 
 
