@@ -13,6 +13,7 @@ import inspect
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -221,6 +222,46 @@ def test_torch_ddp_keywords(comm):
         assert "mpicomm.create_group(name, ranks)" in str(info.value)
     comm.barrier()
 
+
+@pytest.mark.mpi
+def test_ddp_bad_keyword_on_one_rank_raises_on_every_rank(comm):
+    """A keyword only one rank gets wrong (a script that branches on the rank) raises on every
+    rank at once: that rank its own error naming the value, the others RefusedElsewhereError
+    naming that rank and the same words; none waits for the others, and the next wrapper works."""
+    torch = require_module("torch", TORCH)
+    from mpicomm.errors import RefusedElsewhereError
+    from mpicomm.torch import DistributedDataParallel as ddp
+    rank, n = comm.get_rank(), comm.get_group_size()
+    if n == 1:
+        pytest.skip("needs 2 ranks or more (one rank that differs from the others)")
+    bad = n - 1   # the last rank: not rank 0, whose values every rank takes
+    cases = ((dict(static_graph="yes"), InvalidArgumentError, "invalid static_graph='yes'"),
+             (dict(bucket_size=20), InvalidArgumentError, "invalid bucket_size=20"),
+             (dict(mixed_precision=object()), InvalidArgumentError, "compression='bf16'"),
+             (dict(bucket_cap=25), TypeError, "unexpected keyword argument 'bucket_cap'"))
+    for kw, kind, says in cases:
+        t0 = time.monotonic()
+        with pytest.raises((kind, RefusedElsewhereError)) as info:
+            ddp(torch.nn.Linear(4, 3), **(kw if rank == bad else {}))
+        assert time.monotonic() - t0 < 20, "a rank waited for the refusing one"
+        if rank == bad:
+            assert type(info.value) is kind and says in str(info.value)
+        else:
+            assert isinstance(info.value, RefusedElsewhereError), repr(info.value)
+            assert f"rank {bad} refused DistributedDataParallel" in str(info.value) and says in str(info.value)
+    # the ranks are still in step: a good wrapper trains, its gradient the ranks' mean
+    torch.manual_seed(100 + rank)
+    w = ddp(torch.nn.Linear(4, 3))
+    x = torch.as_tensor(np.random.default_rng(40 + rank).standard_normal((5, 4)), dtype=torch.float32)
+    plain = torch.nn.Linear(4, 3)
+    plain.load_state_dict(w.module.state_dict())
+    plain(x).square().sum().backward()
+    w(x).square().sum().backward()
+    own = plain.weight.grad.double().numpy()
+    allv = np.empty((n,) + own.shape)
+    comm.all_gather(own[None], out=allv)
+    np.testing.assert_allclose(w.module.weight.grad.double().numpy(), allv.mean(axis=0), rtol=1e-5, atol=1e-6)
+    comm.barrier()
 
 @pytest.mark.mpi
 def test_paddle_example_equals_one_process(comm):

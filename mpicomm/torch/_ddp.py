@@ -26,7 +26,7 @@ from torch import nn
 from .. import all_gather_object, broadcast, broadcast_object
 from .._objects import all_gather_small
 from .._state import CTX, get_group
-from ..errors import InvalidArgumentError, TypeOf, invalid
+from ..errors import InvalidArgumentError, RefusedElsewhereError, TypeOf, invalid
 from ..training.families import TORCH
 from ..training.fused import broadcast_parameters as _broadcast_parameters
 from ._device import select_local_device
@@ -41,15 +41,26 @@ def _flag(name, v):
     return v
 
 
-def _same_model_everywhere(module, group):
-    """Raise on every rank alike when the ranks' models differ (before any broadcast, which
-    would fail or hang on buffers of different sizes)."""
+def _same_model_everywhere(module, group, err=None):
+    """Raise on every rank alike when a rank refused its arguments (``err``: its own error,
+    ``module`` None then) or when the ranks' models differ (before any broadcast, which would
+    fail or hang on buffers of different sizes). One exchange over ``group``."""
     def sig(kind, items):
         return [(kind, n, tuple(t.shape), str(t.dtype), bool(getattr(t, "requires_grad", False)))
                 for n, t in items]
 
-    mine = sig("parameter", module.named_parameters()) + sig("buffer", module.named_buffers())
-    allv = all_gather_object(mine, group=group)
+    mine = None if module is None else \
+        sig("parameter", module.named_parameters()) + sig("buffer", module.named_buffers())
+    verdict = None if err is None else f"{type(err).__name__}: {err}"
+    allv = all_gather_object((mine, verdict), group=group)
+    if err is not None:
+        raise err
+    refused = [(r, v) for r, (_, v) in enumerate(allv) if v is not None]
+    if refused:
+        r, v = refused[0]
+        raise RefusedElsewhereError(f"rank {r} refused DistributedDataParallel's arguments, so no rank goes "
+                                    f"on: {v}")
+    allv = [m for m, _ in allv]
     for r, other in enumerate(allv):
         if other != allv[0]:
             diff = next((a, b) for a, b in zip(allv[0] + [None] * len(other), other + [None] * len(allv[0]))
@@ -243,8 +254,6 @@ class DistributedDataParallel(nn.Module):
                  overlap_step=False, gradient_as_bucket_view=True, broadcast_parameters=True, use_bucket=True,
                  bucket_size=None, dim=0, init_sync=True, static_graph=False, process_group=None, **torch_ddp):
         super().__init__()
-        _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size)
-        _torch_keywords(dim, init_sync, static_graph, torch_ddp)
         # what a copy (copy.deepcopy, pickle) is rebuilt from (__getstate__)
         self._ctor = dict(bucket_cap_mb=bucket_cap_mb, gradients_mean=gradients_mean, compression=compression,
                           find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
@@ -252,46 +261,60 @@ class DistributedDataParallel(nn.Module):
                           optimizer=optimizer, overlap_step=overlap_step,
                           gradient_as_bucket_view=gradient_as_bucket_view)
         self._lazy = False
-        if not isinstance(module, nn.Module):
-            raise invalid("module", TypeOf(module), "a torch.nn.Module")
-        _flag("gradients_mean", gradients_mean)
-        _flag("gradient_as_bucket_view", gradient_as_bucket_view)
-        check_mode(embedding_grads)
-        _flag("overlap_step", overlap_step)
-        if overlap_step and optimizer is None:
-            raise invalid("optimizer", None, "a torch.optim.Optimizer over the model's parameters when "
-                          "overlap_step=True (the optimizer backward applies bucket by bucket)")
-        if optimizer is not None and not overlap_step:
-            raise invalid("overlap_step", overlap_step, "True when optimizer= is given (the wrapper only takes "
-                          "an optimizer to apply it bucket by bucket during backward; without it, call "
-                          "optimizer.step() yourself and leave optimizer= out)")
-        if overlap_step and embedding_grads == "all_gather":
-            raise invalid("embedding_grads", embedding_grads, "'auto' or 'all_reduce' with overlap_step=True (a "
-                          "gathered embedding gradient is complete only after the last bucket, so its bucket "
-                          "could not be updated early)")
-        if overlap_step:
-            embedding_grads = "all_reduce"
-        self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
-        self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
+        # every argument is checked here first and the verdicts exchanged with the model's
+        # description, so that a bad argument on one rank raises on every rank at once (the
+        # others would otherwise wait for it in the first collective)
+        try:
+            _oneflow_keywords(broadcast_parameters, use_bucket, bucket_size)
+            _torch_keywords(dim, init_sync, static_graph, torch_ddp)
+            if not isinstance(module, nn.Module):
+                raise invalid("module", TypeOf(module), "a torch.nn.Module")
+            _flag("gradients_mean", gradients_mean)
+            _flag("gradient_as_bucket_view", gradient_as_bucket_view)
+            check_mode(embedding_grads)
+            _flag("overlap_step", overlap_step)
+            if overlap_step and optimizer is None:
+                raise invalid("optimizer", None, "a torch.optim.Optimizer over the model's parameters when "
+                              "overlap_step=True (the optimizer backward applies bucket by bucket)")
+            if optimizer is not None and not overlap_step:
+                raise invalid("overlap_step", overlap_step, "True when optimizer= is given (the wrapper only "
+                              "takes an optimizer to apply it bucket by bucket during backward; without it, "
+                              "call optimizer.step() yourself and leave optimizer= out)")
+            if overlap_step and embedding_grads == "all_gather":
+                raise invalid("embedding_grads", embedding_grads, "'auto' or 'all_reduce' with overlap_step=True "
+                              "(a gathered embedding gradient is complete only after the last bucket, so its "
+                              "bucket could not be updated early)")
+            self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
+            self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            for n, p in named:
+                if p.is_sparse:
+                    raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
+            self._overlap = OverlappedStep(optimizer, [p for _, p in named], [n for n, _ in named]) \
+                if overlap_step else None
+            err = None
+        except (InvalidArgumentError, TypeError) as e:
+            err = e
         if not CTX.initialized:
             from .. import init
 
             init()
-        group = self._ctor["group"] = _process_group(process_group, group)
         # each rank's own GPU where the program chose none (PyTorch's default is GPU 0 on every rank)
         select_local_device(CTX.local_rank)
+        try:
+            group = _process_group(process_group, group)
+        except InvalidArgumentError as e:
+            err = err or e
+        _same_model_everywhere(module if err is None else None, group, err)
+        self._ctor["group"] = group
+        if overlap_step:
+            embedding_grads = "all_reduce"
         self.module = module
         self.group = group
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        for n, p in named:
-            if p.is_sparse:
-                raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
         self._bufs = [b for b in module.buffers()]
-        self._overlap = OverlappedStep(optimizer, self._params, self._names) if overlap_step else None
         self.overlap_step = overlap_step   # backward applies the optimizer: leave optimizer.step() out
-        _same_model_everywhere(module, group)
         with torch.no_grad():
             every = list(module.parameters()) + self._bufs
             if every and init_sync:
