@@ -15,8 +15,8 @@ from ._objects import (all_gather_object, broadcast_object, gather_object, recv_
 from ._reliability.flight import dump_flight_record
 from ._replay import Captured, capture, replay
 from ._world import (create_group, destroy_group, finalize, get_backend, get_group_rank_from_world_rank,
-                     get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_rank,
-                     get_world_rank_from_group_rank, init, is_initialized)
+                     get_group_size, get_local_rank, get_local_rank_size, get_local_size, get_process_group_ranks,
+                     get_rank, get_world_rank_from_group_rank, init, is_initialized, release)
 from .errors import (BackendUnavailableError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicationError, InvalidArgumentError, MpicommError, NotInitializedError)
 from ._ops import ReduceOp
@@ -69,9 +69,10 @@ def __dir__() -> list[str]:   # the names loaded on first use too (tab completio
 
 
 __all__ = [
-    "init", "finalize", "is_initialized", "get_backend",
+    "init", "finalize", "release", "is_initialized", "get_backend",
     "get_rank", "get_group_size", "get_local_rank", "get_local_size", "get_local_rank_size",
     "create_group", "destroy_group", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
+    "get_process_group_ranks",
     "NCCL_WORLD_COMM_GROUP", "HCCL_WORLD_COMM_GROUP", "ReduceOp", "Work",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
     "send", "recv", "barrier", "dump_flight_record", "replay", "capture", "Captured",

@@ -270,6 +270,12 @@ def finalize() -> None:
     CTX.finalized = True
 
 
+def release() -> None:
+    """MindSpore's name for :func:`finalize` (``mindspore.communication.release()``): release
+    mpicomm's communicators; ``init()`` may start it again."""
+    finalize()
+
+
 def is_initialized() -> bool:
     """True between init() and finalize()."""
     return CTX.initialized
@@ -337,6 +343,12 @@ def get_group_rank_from_world_rank(world_rank_id: int, group: str | None) -> int
     if world_rank_id not in g.ranks or isinstance(world_rank_id, bool):
         raise invalid("world_rank_id", world_rank_id, f"a world rank in group {g.name!r}: {list(g.ranks)}")
     return g.ranks.index(world_rank_id)
+
+
+def get_process_group_ranks(group: str | None = None) -> list[int]:
+    """The world ranks of ``group``'s members, in group rank order (MindSpore's
+    ``get_process_group_ranks``; None or a world name: every rank)."""
+    return list(_any_group(group).ranks)
 
 
 def _any_group(group: str | None) -> Group:

@@ -126,7 +126,7 @@ def test_local_rank_of_a_group(comm):
 
 def test_calls_before_init_and_after_finalize_name_themselves():
     """A getter before init() names itself (not "a collective"); any call after finalize()
-    says finalize ended mpicomm and init() goes on; dir(mpicomm) lists the names loaded on
+    (or MindSpore's release()) says finalize ended mpicomm and init() goes on; dir(mpicomm) lists the names loaded on
     first use."""
     code = """
 import mpicomm, numpy as np
@@ -150,6 +150,16 @@ for call in (lambda: mpicomm.get_rank(), lambda: mpicomm.all_reduce(np.ones(2)))
 mpicomm.init("mpi")
 x = np.random.default_rng(7).standard_normal(3)
 np.testing.assert_array_equal(mpicomm.all_reduce(x), x)
+mpicomm.release()                    # MindSpore's name for finalize()
+assert not mpicomm.is_initialized()
+try:
+    mpicomm.get_rank()
+except mpicomm.NotInitializedError as e:
+    assert "after mpicomm.finalize()" in str(e), e
+else:
+    raise AssertionError("no error after release")
+mpicomm.init("mpi")
+assert mpicomm.get_process_group_ranks() == [0]
 assert {"DistributedSampler", "GlobalComm", "average", "ops", "init"} <= set(dir(mpicomm))
 print("ok")
 """

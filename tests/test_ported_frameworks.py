@@ -33,7 +33,7 @@ MindSpore (mindspore-ai/mindspore), upstream file -> mpicomm call:
 - tests/ut/python/communication/test_management_api.py and mindspore.communication's
   management API (get_rank, get_group_size, get_local_rank, get_local_rank_size,
   create_group, destroy_group, get_world_rank_from_group_rank, get_group_rank_from_world_rank,
-  GlobalComm.WORLD_COMM_GROUP, NCCL_WORLD_COMM_GROUP, HCCL_WORLD_COMM_GROUP):
+  get_process_group_ranks, GlobalComm.WORLD_COMM_GROUP, NCCL_WORLD_COMM_GROUP, HCCL_WORLD_COMM_GROUP):
   test_ms_management_api; its error cases (a group that is not a name, duplicate ranks, a
   rank given as a string, destroying the world group) raise ValueError (InvalidArgumentError)
   on every rank, which MindSpore's ``has_raise_error`` counts as raised: test_ms_management_errors.
@@ -280,6 +280,7 @@ def test_ms_management_api(groups):
         assert mpicomm.get_local_rank(name) == mpicomm.get_local_rank()
         assert mpicomm.get_local_rank_size(name) == mpicomm.get_local_rank_size()
         assert mpicomm.get_world_rank_from_group_rank(name, n - 1) == n - 1
+        assert mpicomm.get_process_group_ranks(name) == list(range(n))
     assert mpicomm.NCCL_WORLD_COMM_GROUP == "nccl_world_group"
     assert mpicomm.HCCL_WORLD_COMM_GROUP == "hccl_world_group"
     hosts = mpicomm.all_gather_object(socket.gethostname())   # the world ranks on this host, in order
@@ -289,6 +290,7 @@ def test_ms_management_api(groups):
     for gr, w in enumerate(sub):   # on every rank, members or not (MindSpore's test_group_funs)
         assert mpicomm.get_world_rank_from_group_rank(SUB, gr) == w
         assert mpicomm.get_group_rank_from_world_rank(w, SUB) == gr
+    assert mpicomm.get_process_group_ranks(SUB) == sub
     if r in sub:
         assert mpicomm.get_rank(SUB) == sub.index(r) and mpicomm.get_group_size(SUB) == len(sub)
         sub_here = [w for w in sub if w in here]   # group rank order of the members on this host
@@ -330,6 +332,7 @@ def test_ms_management_errors(comm):
     if outside:
         _raises_everywhere(lambda: mpicomm.get_group_rank_from_world_rank(outside[0], SUB), "world_rank_id")
     _raises_everywhere(lambda: mpicomm.get_world_rank_from_group_rank("0-1", 0), "0-1")
+    _raises_everywhere(lambda: mpicomm.get_process_group_ranks("0-1"), "group='0-1'")
 
 
 def test_ms_op_errors(groups):
