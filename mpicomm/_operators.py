@@ -13,7 +13,7 @@ from ._collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_
 from ._ops import ReduceOp, as_op
 from ._state import get_group
 from ._typing import ArrayLike
-from .errors import invalid
+from .errors import TypeOf, invalid
 
 
 class _Op:
@@ -179,3 +179,94 @@ class ReduceScatterV(_Reducing):
 
     def __call__(self, x: ArrayLike, input_split_sizes: Sequence[int]) -> Any:
         return reduce_scatter(x, self.op, group=self.group, sizes=input_split_sizes)
+
+
+class NeighborExchange(_Op):
+    """MindSpore's ``NeighborExchange(send_rank_ids, recv_rank_ids, recv_shapes, send_shapes,
+    recv_type, group=None)((x0, x1, ...))``: sends ``x[i]`` (of shape ``send_shapes[i]``) to
+    group rank ``send_rank_ids[i]`` and receives from each ``recv_rank_ids[j]`` an array of
+    shape ``recv_shapes[j]`` and dtype ``recv_type``, all at once (one :func:`batch_isend_irecv`,
+    so no order of the peers can deadlock); returns the received arrays as a tuple, in
+    ``recv_rank_ids`` order, of the inputs' kind (NumPy, CuPy, PyTorch on x[0]'s device;
+    NumPy where nothing is sent). Each peer at most once per list; the peers' calls must
+    match (a rank that sends to r is in r's ``recv_rank_ids``, with that shape and dtype).
+    """
+
+    def __init__(self, send_rank_ids: Sequence[int], recv_rank_ids: Sequence[int], recv_shapes: Sequence[Any],
+                 send_shapes: Sequence[Any], recv_type: Any, group: str | None = None) -> None:
+        self.send_rank_ids = _rank_list("send_rank_ids", send_rank_ids)
+        self.recv_rank_ids = _rank_list("recv_rank_ids", recv_rank_ids)
+        self.send_shapes = _shape_list("send_shapes", send_shapes, len(self.send_rank_ids), "send_rank_ids")
+        self.recv_shapes = _shape_list("recv_shapes", recv_shapes, len(self.recv_rank_ids), "recv_rank_ids")
+        self.recv_type = recv_type
+        self.group = group
+
+    def __call__(self, x: Sequence[ArrayLike]) -> tuple[Any, ...]:
+        from ._collectives import P2POp, batch_isend_irecv, recv, send
+
+        if not isinstance(x, (tuple, list)):
+            raise invalid("x", TypeOf(x), f"a tuple of {len(self.send_rank_ids)} arrays, one for each of "
+                          f"send_rank_ids={self.send_rank_ids} (MindSpore's input is a tuple)")
+        if len(x) != len(self.send_rank_ids):
+            raise invalid("x", f"a tuple of {len(x)} arrays", f"{len(self.send_rank_ids)} arrays, one for each of "
+                          f"send_rank_ids={self.send_rank_ids}")
+        n = get_group(self.group).size
+        for name, ids in (("send_rank_ids", self.send_rank_ids), ("recv_rank_ids", self.recv_rank_ids)):
+            bad = [r for r in ids if r >= n]
+            if bad:
+                raise invalid(name, ids, f"ranks of the group in 0..{n - 1}")
+        for i, (a, shape) in enumerate(zip(x, self.send_shapes)):
+            if tuple(getattr(a, "shape", ())) != shape:
+                raise invalid(f"x[{i}].shape", tuple(getattr(a, "shape", ())), f"send_shapes[{i}] = {list(shape)}")
+        outs = tuple(_empty_of_kind(x[0] if x else None, shape, self.recv_type) for shape in self.recv_shapes)
+        ops = [P2POp(send, a, r, self.group) for a, r in zip(x, self.send_rank_ids)]
+        ops += [P2POp(recv, o, r, self.group) for o, r in zip(outs, self.recv_rank_ids)]
+        if ops:
+            for w in batch_isend_irecv(ops):
+                w.wait()
+        return outs
+
+
+def _rank_list(name: str, ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                                                     and r >= 0 for r in ids):
+        raise invalid(name, ids, "a list of group ranks (non-negative ints)")
+    ids = [int(r) for r in ids]
+    if len(set(ids)) != len(ids):
+        raise invalid(name, ids, "each rank at most once")
+    return ids
+
+
+def _shape_list(name: str, shapes: Any, count: int, ids_name: str) -> list[tuple[int, ...]]:
+    ok = isinstance(shapes, (list, tuple)) and all(
+        isinstance(s, (list, tuple)) and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+                                             for d in s) for s in shapes)
+    if not ok:
+        raise invalid(name, shapes, "a tuple of shapes, each a list of non-negative ints")
+    if len(shapes) != count:
+        raise invalid(name, shapes, f"{count} shapes, one for each rank of {ids_name}")
+    return [tuple(int(d) for d in s) for s in shapes]
+
+
+def _empty_of_kind(like: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new array of ``shape`` and ``dtype``, of ``like``'s kind (NumPy where ``like`` is None)."""
+    mod = type(like).__module__.split(".")[0] if like is not None else "numpy"
+    if mod == "torch":
+        import torch
+
+        if not isinstance(dtype, torch.dtype):
+            try:
+                dtype = torch.from_numpy(np.empty(0, np.dtype(dtype))).dtype
+            except TypeError as e:
+                raise invalid("recv_type", dtype, "a torch dtype, or a NumPy dtype torch has") from e
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise invalid("recv_type", dtype, "a NumPy dtype (np.float32, 'float32', ...)") from e
+    if mod == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.data.device_id):
+            return cupy.empty(shape, dt)
+    return np.empty(shape, dt)

@@ -21,9 +21,10 @@ MindSpore (mindspore-ai/mindspore), upstream file -> mpicomm call:
 - test_nccl_all_to_all_op.py (``AlltoAll(split_count=8, split_dim=0, concat_dim=0)``) and
   tests/ut/python/communication/test_comm.py (``AlltoAll(1, 0, 1)``): ``ops.AlltoAll(n, sd, cd,
   group)(x)``: test_ms_all_to_all_op.
-- test_nccl_neighbor_exchange_op.py (send to rank-1, receive from rank+1): mpicomm has no
-  NeighborExchange; the port is ``mpicomm.sendrecv(x, dst, src=...)`` (and a batch of sends and
-  receives for several neighbours): test_ms_neighbor_exchange.
+- test_nccl_neighbor_exchange_op.py (send to rank-1, receive from rank+1): ``mpicomm.sendrecv(x,
+  dst, src=...)``, a batch of sends and receives for several neighbours, and
+  ``ops.NeighborExchange(send_rank_ids, recv_rank_ids, recv_shapes, send_shapes, recv_type,
+  group)((x, ...))``: test_ms_neighbor_exchange; its argument checks: test_ms_neighbor_exchange_errors.
 - test_nccl_send_recv_op.py (``P.Send(sr_tag, dest_rank)``, ``P.Receive(sr_tag, src_rank, shape,
   dtype)``): ``send(x, dst, tag=)``, ``recv(np.empty(shape, dtype), src, tag=)``:
   test_ms_send_recv_op.
@@ -214,7 +215,7 @@ def test_ms_all_to_all_op(groups):
 def test_ms_neighbor_exchange(groups):
     """test_nccl_neighbor_exchange_op: each rank sends to rank-1 and receives from rank+1 (of 8 there,
     of the group here): sendrecv; and two neighbours at once (send_rank_ids=[r-1, r+1],
-    recv_rank_ids=[r+1, r-1]) in one batch."""
+    recv_rank_ids=[r+1, r-1]) in one batch, and through ``ops.NeighborExchange`` itself."""
     for g, ranks in groups:
         n, r = len(ranks), me(ranks)
         key = f"ms_nx_{g}"
@@ -230,6 +231,19 @@ def test_ms_neighbor_exchange(groups):
             mpicomm.recv(b, (r - 1) % n, group=g, tag=2)
         close(a, data(ranks[(r + 1) % n], key, (8,)))
         close(b, data(ranks[(r - 1) % n], key, (8,)))
+        # MindSpore's own operator: a different shape to each neighbour
+        y = data(mpicomm.get_rank(), key + "_y", (2, 3))
+        if n >= 3:
+            nx = mpicomm.ops.NeighborExchange([(r - 1) % n, (r + 1) % n], [(r + 1) % n, (r - 1) % n],
+                                              ([8], [2, 3]), ([8], [2, 3]), np.float32, g)
+            got = nx((x, y))
+            assert isinstance(got, tuple) and [a.shape for a in got] == [(8,), (2, 3)]
+            close(got[0], data(ranks[(r + 1) % n], key, (8,)))
+            close(got[1], data(ranks[(r - 1) % n], key + "_y", (2, 3)))
+        else:   # one peer: the other rank, or this one in a group of one
+            other = (r + 1) % n
+            got = mpicomm.ops.NeighborExchange([other], [other], ([2, 3],), ([2, 3],), "float32", g)((y,))
+            close(got[0], data(ranks[other], key + "_y", (2, 3)))
 
 
 def test_ms_send_recv_op(groups):
@@ -314,6 +328,22 @@ def _raises_everywhere(fn, match, group=None, exc=InvalidArgumentError):
         fn()
     assert isinstance(e.value, ValueError)   # what MindSpore's and Paddle's tests catch
     assert mpicomm.all_gather_object(True, group=group) == [True] * mpicomm.get_group_size(group)
+
+
+def test_ms_neighbor_exchange_errors(comm):
+    """NeighborExchange's argument checks (MindSpore's: the lists' lengths, each rank once, the
+    input's shapes), refused before anything is sent, on every rank that makes the call."""
+    n = mpicomm.get_group_size()
+    x = data(mpicomm.get_rank(), "ms_nx_err", (2, 3))
+    NX = mpicomm.ops.NeighborExchange
+    _raises_everywhere(lambda: NX([0, 0], [0], ([1],), ([1], [1]), np.float32), "send_rank_ids=.*each rank at most once")
+    _raises_everywhere(lambda: NX([0], [0], ([1], [2]), ([1],), np.float32), "recv_shapes=.*one for each rank")
+    _raises_everywhere(lambda: NX([0], [0], ([1],), [[-1]], np.float32), "send_shapes=")
+    _raises_everywhere(lambda: NX(["0"], [0], ([1],), ([1],), np.float32), "send_rank_ids=")
+    _raises_everywhere(lambda: NX([0], [0], ([2, 3],), ([2, 3],), np.float32)(x), "x=<.*ndarray>.*a tuple of 1")
+    _raises_everywhere(lambda: NX([0], [0], ([2, 3],), ([3, 2],), np.float32)((x,)), r"x\[0\].shape=\(2, 3\)")
+    _raises_everywhere(lambda: NX([n], [0], ([2, 3],), ([2, 3],), np.float32)((x,)), "send_rank_ids=.*0\\.\\.")
+    _raises_everywhere(lambda: NX([0], [0], ([2, 3],), ([2, 3],), "no-such-type")((x,)), "recv_type=")
 
 
 def test_ms_management_errors(comm):
