@@ -2,7 +2,8 @@
 rules, with CuPy arrays and PyTorch CUDA tensors, checked against NumPy expectations from
 rank-seeded data. Out-of-order tags (sent 1 then 2, received 2 then 1), same-tag order with
 other tags and an untagged (NCCL) message between, mixed sizes and dtypes, sendrecv and
-batch_isend_irecv with tags, a buffer too small, bad tags, and tag 0 still on NCCL. Skipped
+batch_isend_irecv with tags, a buffer too small, bad tags, tag 0 still on NCCL, and MindSpore's
+ops.NeighborExchange over them. Skipped
 (on every rank alike) where the backend is not NCCL; run on a multi-GPU machine:
     mpirun -n 2 python -m pytest -q --with-mpi -m mpi tests/test_gpu_tags.py
 The host side (the outbox of sends, async landing) is tested on the CPU in tests/test_p2p_tags.py.
@@ -207,4 +208,35 @@ def test_gpu_tag0_still_nccl_and_self(nccl, kind, request):
     for w in ws[::-1]:
         w.wait()
     close(kind.host(o), data(r, key, (33,), np.float64))
+    mpicomm.barrier()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_gpu_neighbor_exchange(nccl, kind, request):
+    """MindSpore's ops.NeighborExchange on GPU arrays: to both neighbours with another shape for
+    each (one neighbour at 2 ranks, oneself at 1); the arrays received are of the input's kind,
+    on this rank's GPU, in recv_rank_ids order."""
+    n, me = mpicomm.get_group_size(), mpicomm.get_rank()
+    key = request.node.name
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    x = kind.to(data(me, key + "x", (5,), np.float32))
+    y = kind.to(data(me, key + "y", (2, 3), np.float32))
+    if kind.name == "torch":
+        import torch
+
+        rt = torch.float32
+    else:
+        rt = np.float32
+    if n >= 3:
+        got = mpicomm.ops.NeighborExchange([prv, nxt], [nxt, prv], ([5], [2, 3]), ([5], [2, 3]), rt)((x, y))
+        want = [data(nxt, key + "x", (5,), np.float32), data(prv, key + "y", (2, 3), np.float32)]
+    else:
+        got = mpicomm.ops.NeighborExchange([nxt], [nxt], ([2, 3],), ([2, 3],), rt)((y,))
+        want = [data(nxt, key + "y", (2, 3), np.float32)]
+    sync(kind)
+    assert isinstance(got, tuple) and len(got) == len(want)
+    for a, w in zip(got, want):
+        assert type(a) is type(x) and tuple(a.shape) == w.shape
+        assert (a.device == x.device) if kind.name == "torch" else (a.data.device_id == x.data.device_id)
+        close(kind.host(a), w)
     mpicomm.barrier()
