@@ -219,12 +219,17 @@ def make(case, mode, device, args, cap=None):
         opt = optimizer(model.parameters(), args)
         model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, optimizer=opt, overlap_step=True)
         return model, opt, desc
-    if mode in ("mpicomm", "mpicomm_dense"):
+    if mode in ("mpicomm", "mpicomm_dense", "mpicomm_bf16"):
         emb = "all_reduce" if mode == "mpicomm_dense" else "auto"
-        model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, embedding_grads=emb)
-    elif mode == "ddp":
+        model = mt.DistributedDataParallel(model, bucket_cap_mb=cap, embedding_grads=emb,
+                                           compression="bf16" if mode == "mpicomm_bf16" else None)
+    elif mode in ("ddp", "ddp_bf16"):
         kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=True, **kw)
+        if mode == "ddp_bf16":   # torch's bf16 gradient compression: divided by the size, summed in bf16
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     opt = optimizer(model.parameters(), args)
     return model, opt, desc
 
@@ -412,7 +417,8 @@ def main(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both wrappers' bucket cap (25)")
     p.add_argument("--modes", default="none,ddp,mpicomm", help="which of none, ddp, mpicomm, mpicomm_dense "
                    "(mpicomm with embedding_grads='all_reduce': DDP's way for embeddings), mpicomm_step (the "
-                   "overlapped optimizer step) to time")
+                   "overlapped optimizer step), ddp_bf16 and mpicomm_bf16 (gradients reduced in bfloat16: "
+                   "torch's bf16_compress_hook, mpicomm's compression='bf16') to time")
     p.add_argument("--overlap-step", action="store_true", help="also time mpicomm_step: the optimizer applied "
                    "bucket by bucket as each reduction lands (overlap_step=True), and check it against mpicomm's "
                    "unfused step")
@@ -428,6 +434,8 @@ def main(argv=None):
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes {args.modes}: expected some of {', '.join(MODES)}")
+    if "ddp_bf16" in modes and not torch.cuda.is_available():
+        p.error("--modes ddp_bf16: torch's bf16_compress_hook needs NCCL (GPUs); on the CPU time mpicomm_bf16 alone")
 
     mpicomm.init()
     backend = mt.init_process_group()  # torch.distributed for DDP: nccl on GPUs, gloo on the CPU
@@ -546,10 +554,11 @@ def main(argv=None):
 
 
 MAX = None
-MODES = ("none", "ddp", "mpicomm", "mpicomm_dense", "mpicomm_step")
-COMM_MODES = ("ddp", "mpicomm", "mpicomm_dense", "mpicomm_step")   # the table's column order
+MODES = ("none", "ddp", "mpicomm", "mpicomm_dense", "mpicomm_step", "ddp_bf16", "mpicomm_bf16")
+COMM_MODES = ("ddp", "mpicomm", "mpicomm_dense", "mpicomm_step", "ddp_bf16", "mpicomm_bf16")   # the table's columns
 LABEL = {"ddp": "torch DDP", "mpicomm": "mpicomm", "mpicomm_dense": "mpicomm dense emb.",
-         "mpicomm_step": "mpicomm overlapped step"}
+         "mpicomm_step": "mpicomm overlapped step", "ddp_bf16": "torch DDP, bf16_compress_hook",
+         "mpicomm_bf16": "mpicomm, compression='bf16'"}
 
 if __name__ == "__main__":
     sys.exit(main())
