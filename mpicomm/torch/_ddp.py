@@ -239,6 +239,9 @@ class DistributedDataParallel(nn.Module):
         embeddings densely then), nor with steps that need every gradient first
         (gradient clipping by the global norm, GradScaler's unscale).
 
+    A model without a parameter that requires a gradient is refused (InvalidArgumentError
+    naming ``module``, on every rank; torch DDP raises RuntimeError there).
+
     After the first synchronised backward the buckets are planned again in the order the
     gradients became ready (rank 0's order on every rank), as DDP rebuilds its buckets;
     ``buckets`` shows the new plan. A fusion_config is kept as given.
@@ -287,6 +290,13 @@ class DistributedDataParallel(nn.Module):
             self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
             self.broadcast_buffers = _flag("broadcast_buffers", broadcast_buffers)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            if not named:
+                k = sum(1 for _ in module.parameters())
+                raise invalid("module", TypeOf(module),
+                              "a model with at least one parameter that requires a gradient (it has "
+                              f"{f'{k} parameters, all with requires_grad=False' if k else 'no parameters'}; "
+                              "as torch DDP says: DistributedDataParallel is not needed when a module doesn't "
+                              "have any parameter that requires a gradient)")
             for n, p in named:
                 if p.is_sparse:
                     raise invalid(f"parameter {n!r}", "a sparse tensor", "dense parameters")
