@@ -71,6 +71,60 @@ def _same_model_everywhere(module, group, err=None):
                           f"{diff[0][0] + ' ' + diff[0][1] + ' ' + str(diff[0][2:4]) if diff[0] else 'nothing more'})")
 
 
+class _Named:
+    """A function shown by its name in a message."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+def _hook_name(hook):
+    mod, q = getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)
+    if q is None:
+        return repr(TypeOf(hook)) if not callable(hook) else repr(hook)
+    return f"{mod}.{q}" if mod else q
+
+
+_HOOK_OF = {None: "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
+
+
+def _hook_compression(hook, name):
+    """The compression one of torch's default DDP hooks stands for (None: allreduce_hook);
+    InvalidArgumentError naming any other hook and what is supported."""
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    except Exception:   # (a torch built without torch.distributed)
+        dh = None
+    for c, attr in _HOOK_OF.items():
+        if dh is not None and hook is getattr(dh, attr, None):
+            return c
+    raise invalid("hook", _Named(name), "one of torch's default hooks (torch.distributed.algorithms."
+                  "ddp_comm_hooks.default_hooks): allreduce_hook (the default reduction), fp16_compress_hook "
+                  "(the same as compression=\"fp16\") or bf16_compress_hook (compression=\"bf16\"); other hooks "
+                  "(PowerSGD, fp16_compress_wrapper, your own function) do not run on mpicomm's buckets: train "
+                  "those with torch.nn.parallel.DistributedDataParallel (mpicomm.torch.init_process_group starts "
+                  "torch.distributed from the mpirun job)")
+
+
+def _check_hook_state(state, group):
+    """A default hook's state: None, or torch's process group over the ranks the model trains on."""
+    if state is None:
+        return
+    ranks = None
+    try:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(state)
+    except Exception:
+        pass
+    if ranks != list(get_group(group).ranks):
+        raise invalid("state", TypeOf(state), "None, or torch's process group over the ranks the model trains on "
+                      "(torch's default hooks take the process group as their state)")
+
+
 def _other_tensor(g, v):
     """True when gradient ``g`` is not the bucket view ``v`` (nor shares its storage)."""
     return g is not v and (g.is_sparse or g.data_ptr() != v.data_ptr())
@@ -238,6 +292,11 @@ class DistributedDataParallel(nn.Module):
         gathered gradient is complete only after the last bucket; "auto" reduces
         embeddings densely then), nor with steps that need every gradient first
         (gradient clipping by the global norm, GradScaler's unscale).
+    register_comm_hook(state, hook): torch DDP's, for torch's default hooks
+        (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``): ``allreduce_hook``
+        is the wrapper's own reduction, ``fp16_compress_hook`` and ``bf16_compress_hook``
+        are ``compression="fp16"`` and ``"bf16"``. Once, before the first backward, on every
+        rank; other hooks (PowerSGD, a function of your own) raise InvalidArgumentError.
 
     A model without a parameter that requires a gradient is refused (InvalidArgumentError
     naming ``module``, on every rank; torch DDP raises RuntimeError there).
@@ -356,6 +415,8 @@ class DistributedDataParallel(nn.Module):
         # sees rank 0's statistics, and the first micro-step under no_sync gets them
         self._buffers_due = True
         self._in_backward = False
+        self._comm_hook = None        # the name of the torch hook register_comm_hook() took
+        self._backward_seen = False   # a backward reached the wrapper (register_comm_hook before it)
         self._in_forward = False
         # the order gradients become ready in, recorded in the first synchronised backward
         # to re-plan the buckets once (as DDP does); not where a fusion_config fixes them
@@ -388,7 +449,8 @@ class DistributedDataParallel(nn.Module):
         buckets, hooks and communication are made again at its first forward with gradients
         on (a collective: on every rank alike, as training does). Until then it runs its
         module's forward alone, so that one rank may evaluate a copy by itself."""
-        return {"module": self.module, "_ctor": self._ctor, "training": self.training}
+        return {"module": self.module, "_ctor": self._ctor, "training": self.training,
+                "_comm_hook": self._comm_hook}
 
     def __setstate__(self, state):
         nn.Module.__init__(self)
@@ -400,13 +462,15 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = self._ctor["broadcast_buffers"]
         self._sync_enabled = True
         self._lazy = True
+        self._comm_hook = state.get("_comm_hook")
 
     def _build(self):
         """A copy's first training forward: made as the original was (its module's
         parameters and buffers taken from rank 0, the buckets planned)."""
-        sync, training = self._sync_enabled, self.training
+        sync, training, hook = self._sync_enabled, self.training, self._comm_hook
         DistributedDataParallel.__init__(self, self.module, **self._ctor)
         self._sync_enabled = sync
+        self._comm_hook = hook   # (its compression is in _ctor)
         self.train(training)
 
     # ----------------------------------------------------------- forward / no_sync
@@ -437,6 +501,58 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync_enabled = old
 
+    # ----------------------------------------------------------- torch DDP's comm hooks
+    def register_comm_hook(self, state, hook):
+        """torch DDP's ``register_comm_hook(state, hook)`` for torch's default hooks
+        (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``): ``allreduce_hook``
+        is the wrapper's own reduction, ``fp16_compress_hook`` / ``bf16_compress_hook`` are
+        ``compression="fp16"`` / ``"bf16"`` (float32 gradients divided by the group size,
+        summed in half precision, cast back). ``state``: None or torch's process group over
+        the ranks the model trains on. Once, before the first backward, on every rank alike
+        (the ranks compare what they registered: one host exchange). Any other hook
+        (PowerSGD, the compress wrappers, a function of your own) raises InvalidArgumentError
+        naming it and what is supported, as do a second call, a call after a backward and a
+        hook that contradicts the constructor's ``compression`` or ``gradients_mean=False``."""
+        if self._lazy:
+            self._build()
+        name, choice, err = _hook_name(hook), None, None
+        try:
+            if self._comm_hook is not None:
+                raise InvalidArgumentError(
+                    f"register_comm_hook() called a second time ({self._comm_hook} is registered; now {name}): "
+                    "a DistributedDataParallel takes one communication hook, as torch DDP does")
+            if self._backward_seen:
+                raise InvalidArgumentError(
+                    f"register_comm_hook(state, {name}) after a backward: register the hook before the first "
+                    "backward (torch DDP's rule), right after wrapping the model")
+            choice = _hook_compression(hook, name)
+            _check_hook_state(state, self.group)
+            if not self.reducer.mean:
+                raise invalid("hook", _Named(name), "no hook with gradients_mean=False: torch's default hooks "
+                              "average the gradients (divide by the group size); for a sum leave the hook out")
+            given = self._ctor["compression"]
+            if given is not None and given != choice:
+                raise invalid("hook", _Named(name), f"a hook that agrees with compression={given!r} given to the "
+                              f"constructor ({_HOOK_OF[given]}), or compression left out")
+        except InvalidArgumentError as e:
+            err = e
+        allv = all_gather_object((name, choice, None if err is None else f"{type(err).__name__}: {err}"),
+                                 group=self.group)
+        if err is not None:
+            raise err
+        refused = [(r, v) for r, (_, _, v) in enumerate(allv) if v is not None]
+        if refused:
+            raise RefusedElsewhereError(f"rank {refused[0][0]} refused register_comm_hook, so no rank "
+                                        f"registers it: {refused[0][1]}")
+        differ = [r for r, (n, _, _) in enumerate(allv) if n != allv[0][0]]
+        if differ:
+            raise invalid("hook", _Named(name), f"the same hook on every rank (rank 0 registers {allv[0][0]}, "
+                          f"rank {differ[0]} {allv[differ[0]][0]})")
+        if self.reducer.set_compression(choice):
+            self._take_views()
+        self._comm_hook = name
+        self._ctor["compression"] = choice
+
     @property
     def buckets(self):
         """The bucket plan: lists of indices into :attr:`parameter_names`, in launch order."""
@@ -466,11 +582,13 @@ class DistributedDataParallel(nn.Module):
         backward), so that none is left out when only one of them fires."""
         if not self._in_backward:
             self._in_backward = True
+            self._backward_seen = True
             if self._overlap is not None:
                 self._overlap.begin()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, i, p):
+        self._backward_seen = True
         if not self._sync_step:
             return
         self._queue_end()
@@ -578,8 +696,11 @@ class DistributedDataParallel(nn.Module):
         seen = set(order)
         order += [i for i in range(len(self._params) - 1, -1, -1) if i not in seen]
         order = broadcast_object(order, root=0, group=self.group)
-        if not self.reducer.replan(order):
-            return
+        if self.reducer.replan(order):
+            self._take_views()
+
+    def _take_views(self):
+        """The reducer's buckets were made again: every gradient moves into its new view."""
         if self._overlap is not None:
             self._overlap.plan(self.reducer.buckets)
         views = self.reducer.grad_views()

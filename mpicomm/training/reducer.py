@@ -218,6 +218,24 @@ class DistributedGradReducer:
         self._reset_step()
         return True
 
+    def set_compression(self, compression):
+        """Send float32 gradients in ``compression`` (None, "fp16" or "bf16") from the next
+        step on; only between steps. The plan is kept, the buckets are made again (new
+        buffers: grad_views() must be taken again). The caller does it on every rank alike.
+        Returns whether anything changed."""
+        self._check_idle("changing the compression")
+        if compression not in COMPRESSIONS:
+            raise invalid("compression", compression, "None, 'fp16' or 'bf16'")
+        if compression == self.compression:
+            return False
+        for fam, _, _, _, _ in self._specs:
+            if compression is not None:
+                fam.half(compression)   # (raises for a family without that dtype: CuPy's bf16)
+        self.compression = compression
+        self._build(self._plan, self._specs)
+        self._reset_step()
+        return True
+
     @property
     def buckets(self):
         """The plan: lists of gradient indices, in the order their all_reduce runs."""
