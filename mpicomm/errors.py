@@ -35,6 +35,11 @@ class CollectiveMismatchError(CommunicationError):
     """Ranks called different collectives (or the same one with different arguments)."""
 
 
+class InputsExhaustedError(MpicommError, RuntimeError):
+    """Inside ``DistributedDataParallel.join(throw_on_early_termination=True)`` a rank ran
+    out of inputs: raised on every rank of the group (torch DDP raises RuntimeError)."""
+
+
 class RefusedElsewhereError(CollectiveMismatchError, InvalidArgumentError):
     """Another rank of the group refused the call for an invalid argument (the message names
     the rank and its reason); this rank did not complete it either."""

@@ -49,7 +49,7 @@ every rank's data (NumPy), never read back from mpicomm. Each test name -> mpico
   load of the wrapper mid-training: _test_DDP_niter's test_save), test_accumulate_gradients_no_sync
   [_grad_is_view], find_unused_parameters (test_ddp_unused_params*, test_find_unused_parameters_kwarg),
   buffers from rank 0 (test_ddp_broadcast_buffer), gradient_as_bucket_view, state_dict.
-  Uneven inputs (DDP's join()) have no mpicomm equivalent.
+  Uneven inputs (DDP's join()) and register_comm_hook: tests/test_torch_join.py, against torch DDP.
 """
 import copy
 import io

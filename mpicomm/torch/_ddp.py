@@ -32,6 +32,7 @@ from ..training.fused import broadcast_parameters as _broadcast_parameters
 from ._device import select_local_device
 from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, GatherContext, check_mode
+from ._join import Join, check_join_arguments
 from ._step import OverlappedStep
 
 
@@ -136,8 +137,8 @@ def _dense(g):
 
 
 class _BufferSync:
-    """Rank 0's buffers (batch-norm statistics) to every rank: one broadcast per
-    (dtype, device), through flat buffers allocated once."""
+    """Rank 0's (or ``root``'s) buffers (batch-norm statistics) to every rank: one broadcast
+    per (dtype, device), through flat buffers allocated once."""
 
     def __init__(self, buffers, group):
         self.group = group
@@ -153,14 +154,14 @@ class _BufferSync:
                 off += b.numel()
             self.parts.append((bs, flat, views))
 
-    def __call__(self):
-        root = get_group(self.group).rank == 0
+    def __call__(self, root=0):
+        me = get_group(self.group).rank == root
         with torch.no_grad():
             for bs, flat, views in self.parts:
-                if root:
+                if me:
                     TORCH.pack(flat, bs)
-                broadcast(flat, 0, group=self.group)
-                if not root:
+                broadcast(flat, root, group=self.group)
+                if not me:
                     TORCH.copy_out(bs, views)
 
 
@@ -297,6 +298,14 @@ class DistributedDataParallel(nn.Module):
         is the wrapper's own reduction, ``fp16_compress_hook`` and ``bf16_compress_hook``
         are ``compression="fp16"`` and ``"bf16"``. Once, before the first backward, on every
         rank; other hooks (PowerSGD, a function of your own) raise InvalidArgumentError.
+    join(divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        torch DDP's context manager for uneven inputs: ``with model.join(): for x in
+        my_batches: ...`` where ranks have different numbers of batches. A rank that has
+        run out makes the others' calls (with zero gradients) until every rank is done; the
+        mean divides by the group size (True) or by the ranks still training (False); then
+        every rank takes the model of the last rank to finish. With
+        throw_on_early_termination=True every rank raises InputsExhaustedError (a
+        RuntimeError) once one rank has run out.
 
     A model without a parameter that requires a gradient is refused (InvalidArgumentError
     naming ``module``, on every rank; torch DDP raises RuntimeError there).
@@ -417,6 +426,7 @@ class DistributedDataParallel(nn.Module):
         self._in_backward = False
         self._comm_hook = None        # the name of the torch hook register_comm_hook() took
         self._backward_seen = False   # a backward reached the wrapper (register_comm_hook before it)
+        self._join = None             # the join() block this rank is in (see _join.py)
         self._in_forward = False
         # the order gradients become ready in, recorded in the first synchronised backward
         # to re-plan the buckets once (as DDP does); not where a fusion_config fixes them
@@ -425,7 +435,8 @@ class DistributedDataParallel(nn.Module):
         self._emb = EmbeddingGather(GatherContext(
             module=module, params=self._params, group=group, size=self._size,
             side_stream=lambda device: self.reducer.side_stream(TORCH, device),
-            queue_end=self._queue_end, gathering=lambda: self._in_forward and self._sync_step), embedding_grads)
+            queue_end=self._queue_end,
+            gathering=lambda: self._in_forward and self._sync_step and self._join is None), embedding_grads)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self._params)]
 
@@ -463,6 +474,7 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
         self._lazy = True
         self._comm_hook = state.get("_comm_hook")
+        self._join = None
 
     def _build(self):
         """A copy's first training forward: made as the original was (its module's
@@ -480,8 +492,12 @@ class DistributedDataParallel(nn.Module):
                 return self.module(*args, **kwargs)
             self._build()
         self._sync_step = self._sync_enabled
-        if self.broadcast_buffers and self._buffer_sync is not None and self._size > 1 and self._buffers_due:
-            self._buffer_sync()
+        due = self.broadcast_buffers and self._buffer_sync is not None and self._size > 1 and self._buffers_due
+        root = 0
+        if self._join is not None:   # (torch under join: the buffers of the highest rank still training)
+            root = self._join.forward(self._sync_enabled and torch.is_grad_enabled(), due)
+        if due:
+            self._buffer_sync(root)
         self._in_forward = True
         try:
             out = self.module(*args, **kwargs)
@@ -552,6 +568,65 @@ class DistributedDataParallel(nn.Module):
             self._take_views()
         self._comm_hook = name
         self._ctor["compression"] = choice
+
+    # ----------------------------------------------------------- uneven inputs
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """torch DDP's ``join()``: train with a different number of batches on each rank.
+
+        ``with model.join(): for batch in my_batches: ...`` Each forward inside begins with
+        a host exchange of the ranks' state; a rank whose loop has ended makes, for every
+        step the others still take, the calls they make (their buffer broadcast, each
+        bucket's all_reduce with zeros, ...), until no rank has inputs left; then every rank
+        takes the parameters and buffers of the highest-numbered rank among those that
+        finished last. Inside the block the buffers are broadcast from the highest rank
+        still training (torch's rule there), embeddings are reduced densely, and one forward
+        goes with each backward.
+
+        divide_by_initial_world_size: True: the mean divides by the group size (a finished
+            rank adds zeros); False: by the number of ranks still training. (With a
+            registered torch hook: by the group size either way, as torch's hooks divide.)
+        enable: False makes the block do nothing more than check the arguments.
+        throw_on_early_termination: True: as soon as one rank has run out of inputs, every
+            rank raises InputsExhaustedError (a RuntimeError, as torch's), the others at their
+            next forward.
+
+        Entering the block is a collective (the ranks compare the arguments: a bad or
+        different one raises InvalidArgumentError on every rank).
+        """
+        if self._lazy:
+            self._build()
+        err = None
+        try:
+            check_join_arguments(divide_by_initial_world_size, enable, throw_on_early_termination)
+            if self._join is not None:
+                raise InvalidArgumentError("join() inside a join() block of the same model")
+        except InvalidArgumentError as e:
+            err = e
+        args = (divide_by_initial_world_size, enable, throw_on_early_termination)
+        allv = all_gather_small((args, None if err is None else f"{type(err).__name__}: {err}"), group=self.group)
+        if err is not None:
+            raise err
+        refused = [(r, v) for r, (_, v) in enumerate(allv) if v is not None]
+        if refused:
+            raise RefusedElsewhereError(f"rank {refused[0][0]} refused join()'s arguments, so no rank "
+                                        f"enters the block: {refused[0][1]}")
+        differ = [r for r, (a, _) in enumerate(allv) if a != allv[0][0]]
+        if differ:
+            names = ("divide_by_initial_world_size", "enable", "throw_on_early_termination")
+            k = next(k for k in range(3) if allv[differ[0]][0][k] != allv[0][0][k])
+            raise invalid(names[k], args[k], f"the same value on every rank (rank 0 gives {allv[0][0][k]}, rank "
+                          f"{differ[0]} {allv[differ[0]][0][k]})")
+        if not enable:
+            yield
+            return
+        self._join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            self._join.finish()
+        finally:
+            self.reducer.divisor = None
+            self._join = None
 
     @property
     def buckets(self):

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import all_gather_object, all_reduce, batch
 from .._dtypes import FLOAT_NAMES
+from .._ops import ReduceOp
 from .._state import CTX, env_bool, get_group
 from ..errors import InvalidArgumentError, TypeOf, invalid
 from . import context as _context
@@ -160,6 +161,9 @@ class DistributedGradReducer:
         # called as bucket_hook(indices, stream) once a bucket of a mark_ready() step is
         # reduced (see set_bucket_hook); None: nothing
         self.bucket_hook = None
+        # what a mean divides by (None: the group size); DistributedDataParallel.join() sets
+        # the number of ranks still training where divide_by_initial_world_size=False
+        self.divisor = None
         self._build(plan, specs)
         self._reset_step()
         self._sides = {}
@@ -302,7 +306,7 @@ class DistributedGradReducer:
         with ctx:
             if b.numel:
                 if b.prescale:
-                    fam.scale(b.wire, b.flat, n)
+                    fam.scale(b.wire, b.flat, self.divisor or n)
                 elif b.wire is not b.flat:
                     fam.copy(b.wire, b.flat)
                 if b.stream_mode or not step.overlap:
@@ -349,10 +353,13 @@ class DistributedGradReducer:
         return ops
 
     def _post(self, b):
+        d = self.divisor or self.size
         if b.postscale:
-            b.fam.scale(b.flat, b.wire, self.size)
+            b.fam.scale(b.flat, b.wire, d)
         elif b.wire is not b.flat:
             b.fam.copy(b.flat, b.wire)
+        elif b.op is ReduceOp.AVG and d != self.size:   # (NCCL divided by the group size)
+            b.fam.scale(b.flat, b.flat, d / self.size)
 
     def _side(self, b):
         return self.side_stream(b.fam, b.device)
