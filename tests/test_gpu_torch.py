@@ -1,6 +1,6 @@
 """mpicomm.torch on CUDA tensors over NCCL: the checks of test_torch.py with device="cuda"
 (the wrapper equals one process on the global batch, buckets issued during backward,
-no_sync, unused parameters, compression, a bfloat16 model, buffers), and the reducer's
+no_sync, unused parameters, compression, a bfloat16 model, buffers, join() with uneven inputs), and the reducer's
 fused path on CUDA tensors. Skipped (on every rank alike) where the backend is not NCCL
 or PyTorch sees no GPU; run by scripts/gpu_suite.sh torch."""
 import numpy as np
@@ -159,3 +159,53 @@ def test_overlapped_step_equals_the_unfused_step_cuda(cuda, direct_low, which, p
 
     model = ts.check_overlapped_equals_unfused(cuda, which, ts.PLANS[plan], zero_to_none=(plan != "small"))
     assert any(b.direct for b in model.reducer._buckets)
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["by_group_size", "by_ranks_training"])
+@pytest.mark.parametrize("direct", [False, True], ids=["packed", "direct"])
+def test_join_uneven_inputs_cuda(cuda, divide, direct, monkeypatch):
+    """join() on CUDA tensors over NCCL: rank r has 2 + r batches (several buckets; with
+    ``direct`` the big gradients are reduced where autograd leaves them). After the block every
+    rank's parameters equal one process's replay of the rounds: each step's gradient is the sum
+    over the ranks still training, divided by the group size or by their number."""
+    import mpicomm.torch as mt
+
+    if direct:
+        from mpicomm.training import layout
+
+        monkeypatch.setattr(layout, "_DIRECT_MIN_BYTES", 64)
+    n, r = mpicomm.get_group_size(), mpicomm.get_rank()
+    counts = [2 + q for q in range(n)]
+
+    def make():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+
+    def data(q, k):
+        return torch.from_numpy(np.random.default_rng([q, k, 77]).standard_normal((4, 6)))
+
+    ref = make()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(max(counts)):
+        active = [q for q in range(n) if k < counts[q]]
+        grads = []
+        for q in active:
+            ref.zero_grad()
+            ref(data(q, k)).square().sum().backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        d = n if divide else len(active)
+        for i, p in enumerate(ref.parameters()):
+            p.grad = sum(g[i] for g in grads) / d
+        opt_ref.step()
+    w = mt.DistributedDataParallel(make().to(cuda), bucket_cap_mb=300 / 2 ** 20)
+    assert len(w.buckets) > 1
+    opt = torch.optim.SGD(w.parameters(), lr=0.1)
+    with w.join(divide_by_initial_world_size=divide):
+        for k in range(counts[r]):
+            opt.zero_grad()
+            w(data(r, k).to(cuda)).square().sum().backward()
+            opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(w.module.parameters(), ref.parameters()):
+        assert p.is_cuda
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-10, atol=1e-12)
