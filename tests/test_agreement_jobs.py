@@ -533,3 +533,70 @@ def test_every_rank_s_report_names_the_calls(tmp_path, case, n):
     assert sum(map(len, reports.values())) >= 2, reports
     bare = {r: t for r, ts in reports.items() for t in ts if not all(re.search(w, t) for w in words(n))}
     assert not bare, (bare, words(n))
+
+
+ROOT_OF_THE_REFUSED_CALL = r"""
+import json, os, time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
+here = os.path.dirname(os.path.abspath(__file__))
+
+def wait_for(name):   # another rank's step, by the file it writes after it
+    while not os.path.exists(os.path.join(here, name)):
+        time.sleep(0.01)
+
+def mark(name):
+    open(os.path.join(here, name), "w").close()
+
+x = np.random.default_rng(r).standard_normal(4)
+mpicomm.barrier()                 # call 1
+if r != 0:
+    wait_for("root-made-call-3")   # rank 0, the root, makes calls 2 and 3 (they return at once) first
+try:   # call 2: int32 from rank 0, float32 on the others (the same bytes: no fresh communicator)
+    mpicomm.broadcast(x.astype(np.int32 if r == 0 else np.float32), root=0)
+    print(f"rank {r}: returned", flush=True)
+except mpicomm.CollectiveMismatchError:
+    print(f"rank {r}: raised", flush=True)
+    mark(f"raised-{r}")
+try:
+    mpicomm.broadcast(x * 3, root=0)   # call 3
+    if r == 0:
+        mark("root-made-call-3")
+        wait_for("raised-1")   # the report about call 2 is in this rank's row now
+    # call 4: rank 0 raises the report about call 2 here, refusing it, and the members inside it
+    # raise it too; rank 1, its root, has returned from it before the refusal came
+    mpicomm.broadcast(x * 5, root=1)
+    mpicomm.all_gather(x)   # call 5 on rank 1 (the others raised in call 4, and skip it)
+    print(f"rank {r}: next ok", flush=True)
+except mpicomm.MpicommError as e:
+    print(f"rank {r}: next raised {type(e).__name__}", flush=True)
+mpicomm.all_reduce(x)   # call 5 on the others
+print(f"rank {r}: done", flush=True)
+"""
+
+
+@spawns_mpirun
+@pytest.mark.parametrize("n", [3, 4])
+def test_the_root_of_the_call_a_late_rank_refuses_names_the_report(tmp_path, n):
+    """A rank that returned from a call before the report about it came (a broadcast root)
+    raises it in its next call, refusing it, and the members inside raise it there too; the
+    root of that call returns from it before the refusal comes, and raises one call later: a
+    program that catches around several calls then makes another call on it than on the
+    others, and the job ends (docs/RELIABILITY.md). The root's report names the call it
+    waits in and the report it had not raised yet, with the calls that differed first (it
+    named only the call it waits in, which the others skipped)."""
+    p, took = _job(tmp_path, ROOT_OF_THE_REFUSED_CALL, n)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "rank 0: next raised CollectiveMismatchError" in out, out[-3000:]
+    assert f"did not complete within {TIMEOUT} s" not in out, out[-3000:]
+    assert took < EARLY, took
+    trace = tmp_path / "mpicomm-trace.rank1.json"
+    assert trace.exists(), out[-3000:]
+    report = json.loads(trace.read_text())["report"]
+    assert re.search(r"all_gather sequence 5 on group 'world': the ranks called differently: rank 1: all_gather "
+                     r"of 4 x float64; rank \d+: all_reduce of 4 x float64", report), report
+    assert "rank 1 had returned from call 4 before rank 0's report about it came; the ranks still in that call " \
+           "raised it there: rank 0 refused broadcast sequence 4" in report, report
+    assert re.search(r"broadcast sequence 2 on group 'world': the ranks called differently: .*"
+                     r"rank 0: broadcast of 4 x int32, root 0", report), report
