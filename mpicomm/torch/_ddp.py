@@ -32,7 +32,7 @@ from ..training.fused import broadcast_parameters as _broadcast_parameters
 from ._device import select_local_device
 from ..training.reducer import DistributedGradReducer
 from ._embedding import EmbeddingGather, GatherContext, check_mode
-from ._join import Join, check_join_arguments
+from ._join import JoinState, JoinSteps, check_join_arguments
 from ._step import OverlappedStep
 
 
@@ -228,7 +228,7 @@ def _process_group(process_group, group):
     return None
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(JoinSteps, nn.Module):
     """Wrap ``module`` for data-parallel training over mpicomm's group.
 
     At construction, where CUDA is available and the program has not chosen a device, GPU
@@ -495,7 +495,7 @@ class DistributedDataParallel(nn.Module):
         due = self.broadcast_buffers and self._buffer_sync is not None and self._size > 1 and self._buffers_due
         root = 0
         if self._join is not None:   # (torch under join: the buffers of the highest rank still training)
-            root = self._join.forward(self._sync_enabled and torch.is_grad_enabled(), due)
+            root = self._join_forward(self._sync_enabled and torch.is_grad_enabled(), due)
         if due:
             self._buffer_sync(root)
         self._in_forward = True
@@ -620,10 +620,10 @@ class DistributedDataParallel(nn.Module):
         if not enable:
             yield
             return
-        self._join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
+        self._join = JoinState(divide_by_initial_world_size, throw_on_early_termination)
         try:
             yield
-            self._join.finish()
+            self._join_finish()
         finally:
             self.reducer.divisor = None
             self._join = None

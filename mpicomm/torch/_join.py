@@ -29,100 +29,101 @@ from ..training.fused import broadcast_parameters
 ACTIVE, SYNC, BUFFERS, FIRST = 1, 2, 4, 8   # a rank's state in a round's exchange
 
 
-class Join:
-    """The state of one ``with model.join(...)`` block on this rank."""
+class JoinState:
+    """One ``with model.join(...)`` block on this rank: its arguments, and this rank's gradients
+    as they were when it ran out of inputs (put back when the block ends)."""
 
-    def __init__(self, ddp, divide_by_initial_world_size, throw_on_early_termination):
-        self.ddp = ddp
+    def __init__(self, divide_by_initial_world_size, throw_on_early_termination):
         self.divide_initial = divide_by_initial_world_size
         self.throw = throw_on_early_termination
-        self.saved = None   # this rank's gradients as they were when it ran out of inputs
+        self.saved = None
 
-    def _exchange(self, code):
-        return all_gather_small(code, group=self.ddp.group)
+
+class JoinSteps:
+    """DistributedDataParallel's side of ``join()`` (mixed into the wrapper: ``self`` is the
+    wrapper, ``self._join`` its JoinState inside the block)."""
+
+    def _join_exchange(self, code):
+        return all_gather_small(code, group=self.group)
 
     # ------------------------------------------------------------- a rank still training
-    def forward(self, sync, buffers):
+    def _join_forward(self, sync, buffers):
         """One forward of a rank with inputs: the round's exchange; returns the rank the
         buffers come from (the highest one still training)."""
-        codes = self._exchange(ACTIVE | (SYNC if sync else 0) | (BUFFERS if buffers else 0))
+        codes = self._join_exchange(ACTIVE | (SYNC if sync else 0) | (BUFFERS if buffers else 0))
         active = [r for r, c in enumerate(codes) if c & ACTIVE]
-        if self.throw and len(active) < len(codes):
+        if self._join.throw and len(active) < len(codes):
             done = [r for r, c in enumerate(codes) if not c & ACTIVE]
             raise InputsExhaustedError(
                 f"Detected at least one rank that exhausted inputs. Throwing across all ranks: rank(s) {done} "
                 "of the group ran out of inputs inside DistributedDataParallel.join(throw_on_early_termination="
                 "True), so every rank stops here")
-        ddp = self.ddp
-        ddp.reducer.divisor = None if self.divide_initial or ddp._comm_hook is not None else len(active)
+        self.reducer.divisor = None if self._join.divide_initial or self._comm_hook is not None else len(active)
         return max(active)
 
     # ------------------------------------------------------------- a rank out of inputs
-    def finish(self):
+    def _join_finish(self):
         """This rank has left its loop: shadow the others' rounds until none trains, then
         take the final model from the highest of the ranks that finished last."""
-        ddp = self.ddp
         first = True
         while True:
-            codes = self._exchange(FIRST if first else 0)
+            codes = self._join_exchange(FIRST if first else 0)
             active = [r for r, c in enumerate(codes) if c & ACTIVE]
             if not active:
                 break
-            rank = get_group(ddp.group).rank
-            if self.throw:
+            rank = get_group(self.group).rank
+            if self._join.throw:
                 raise InputsExhaustedError(
                     f"Rank {rank} exhausted all inputs inside DistributedDataParallel.join("
                     f"throw_on_early_termination=True) while rank(s) {active} still train: every rank stops here")
             first = False
             if any(c & BUFFERS for c in codes):
-                ddp._buffer_sync(max(active))
+                self._buffer_sync(max(active))
             sync = any(c & SYNC for c in codes)
             if sync:
-                self._shadow_backward()
-            ddp._buffers_due = sync   # (what the forward of the ranks still training set)
+                self._join_shadow_backward()
+            self._buffers_due = sync   # (what the forward of the ranks still training set)
         last = [r for r, c in enumerate(codes) if c & FIRST]
-        self.restore()
+        self._join_restore()
         with torch.no_grad():
-            every = list(ddp.module.parameters()) + (ddp._bufs if ddp.broadcast_buffers else [])
-            if every and ddp._size > 1:
-                broadcast_parameters(every, root=max(last), group=ddp.group)
+            every = list(self.module.parameters()) + (self._bufs if self.broadcast_buffers else [])
+            if every and self._size > 1:
+                broadcast_parameters(every, root=max(last), group=self.group)
 
-    def _shadow_backward(self):
+    def _join_shadow_backward(self):
         """The calls of a synchronised backward of the ranks still training, with zeros:
         every bucket's all_reduce in plan order, the unused-parameter exchange (this rank
         used nothing), the one-time bucket re-plan. This rank's gradients are kept aside
         and put back when the block ends."""
-        ddp = self.ddp
-        red = ddp.reducer
-        if self.saved is None:
-            self.saved = [None if p.grad is None else p.grad.detach().clone() for p in ddp._params]
+        red = self.reducer
+        if self._join.saved is None:
+            self._join.saved = [None if p.grad is None else p.grad.detach().clone() for p in self._params]
         hook = red.bucket_hook
         red.set_bucket_hook(None)   # (overlap_step: no optimizer update here)
         try:
             with torch.no_grad():
-                for v in ddp._views:
+                for v in self._views:
                     v.zero_()
             for bucket in red.buckets:
                 for i in bucket:
                     red.mark_ready(i)
-            if ddp.find_unused_parameters and ddp._size > 1:
-                all_gather_small(list(range(len(ddp._params))), group=ddp.group)
+            if self.find_unused_parameters and self._size > 1:
+                all_gather_small(list(range(len(self._params))), group=self.group)
             red.wait()
         finally:
             red.set_bucket_hook(hook)
-        if ddp._order is not None:
-            ddp._order = []
-            ddp._replan([])
+        if self._order is not None:
+            self._order = []
+            self._replan([])
 
-    def restore(self):
+    def _join_restore(self):
         """This rank's gradients as they were before it shadowed the others' backwards."""
-        ddp = self.ddp
-        ddp.reducer.divisor = None
-        saved, self.saved = self.saved, None
+        self.reducer.divisor = None
+        saved, self._join.saved = self._join.saved, None
         if saved is None:
             return
         with torch.no_grad():
-            for p, v, g in zip(ddp._params, ddp._views, saved):
+            for p, v, g in zip(self._params, self._views, saved):
                 if g is None:
                     p.grad = None
                 else:
