@@ -13,7 +13,6 @@ import inspect
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -240,10 +239,10 @@ def test_ddp_bad_keyword_on_one_rank_raises_on_every_rank(comm):
              (dict(mixed_precision=object()), InvalidArgumentError, "compression='bf16'"),
              (dict(bucket_cap=25), TypeError, "unexpected keyword argument 'bucket_cap'"))
     for kw, kind, says in cases:
-        t0 = time.monotonic()
+        # (the others raise RefusedElsewhereError at once: waiting for the refusing rank would
+        # end in the timeout's CollectiveTimeoutError, which fails the check below)
         with pytest.raises((kind, RefusedElsewhereError)) as info:
             ddp(torch.nn.Linear(4, 3), **(kw if rank == bad else {}))
-        assert time.monotonic() - t0 < 20, "a rank waited for the refusing one"
         if rank == bad:
             assert type(info.value) is kind and says in str(info.value)
         else:
