@@ -222,8 +222,10 @@ def test_caught_disagreement_raises_everywhere_or_ends_the_job(tmp_path, case, n
         assert "CollectiveMismatchError" in out, out[-3000:]
 
 
-# the ranks order their steps by marker files in the job's folder (no sleeps that guess)
-MARKERS = r"""
+ROOT_AHEAD = r"""
+import os, time, numpy as np, mpicomm
+mpicomm.init(backend="mpi")
+r, n = mpicomm.get_rank(), mpicomm.get_group_size()
 here = os.path.dirname(os.path.abspath(__file__))
 
 def wait_for(name):   # another rank's step, by the file it writes after it
@@ -232,13 +234,7 @@ def wait_for(name):   # another rank's step, by the file it writes after it
 
 def mark(name):
     open(os.path.join(here, name), "w").close()
-"""
 
-ROOT_AHEAD = r"""
-import os, time, numpy as np, mpicomm
-mpicomm.init(backend="mpi")
-r, n = mpicomm.get_rank(), mpicomm.get_group_size()
-""" + MARKERS + r"""
 x = np.random.default_rng(r).standard_normal(4)
 mpicomm.barrier()
 if r != 0:
@@ -543,7 +539,15 @@ ROOT_OF_THE_REFUSED_CALL = r"""
 import json, os, time, numpy as np, mpicomm
 mpicomm.init(backend="mpi")
 r, n = mpicomm.get_rank(), mpicomm.get_group_size()
-""" + MARKERS + r"""
+here = os.path.dirname(os.path.abspath(__file__))
+
+def wait_for(name):   # another rank's step, by the file it writes after it
+    while not os.path.exists(os.path.join(here, name)):
+        time.sleep(0.01)
+
+def mark(name):
+    open(os.path.join(here, name), "w").close()
+
 x = np.random.default_rng(r).standard_normal(4)
 mpicomm.barrier()                 # call 1
 if r != 0:
