@@ -454,12 +454,10 @@ class Progress:
 
     def latest_reason_of(self, rank, name, before=None):
         """World ``rank``'s latest kept report about a call of group ``name`` (with ``before``:
-        of a call before that one), or None. ``rank`` may be a list of world ranks: the latest
-        report of any of them (the text of the latest call's first rank that has one)."""
+        of a call before that one), or None."""
         gh = ghash(name)
-        got = [(t, -i, text) for i, r in enumerate(rank if isinstance(rank, (list, tuple)) else [rank])
-               for t, text in self._reasons(r, lambda t: t & 0xFFFFFFFF == gh and (before is None or t >> 32 < before))]
-        return max(got)[2] if got else None
+        got = self._reasons(rank, lambda t: t & 0xFFFFFFFF == gh and (before is None or t >> 32 < before))
+        return max(got)[1] if got else None
 
     def _reasons(self, rank, want):
         """[(tag, text)] of world ``rank``'s kept reports whose tag ``want`` takes (read again

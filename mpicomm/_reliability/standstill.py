@@ -33,11 +33,7 @@ class Standstills:
         first = self._refused_seen.setdefault(key, time.monotonic())
         if time.monotonic() - first < TIMING.refusal_wait:
             return False
-        # this rank's own words about the call it raised in (it reported, or refused), else, where
-        # it raised a member's report (it took it in during or after its call), the members' words
-        me = self.progress.wrank
-        why = self.progress.latest_reason_of(me, g.name, before=seq) \
-            or self.progress.latest_reason_of([wr for wr in g.ranks if wr != me], g.name, before=seq) \
+        why = self.progress.latest_reason_of(self.progress.wrank, g.name, before=seq)\
             or "an earlier disagreement"
         return self._fire_mismatch(g, seq, f"after {why}: this rank makes the group's fresh communicator at "
                                    f"the start of call {seq}, which rank(s) {', '.join(map(str, apart))} entered on "
