@@ -358,17 +358,6 @@ class Watchdog(Diagnosis, CrossHostCheck, Standstills):
             calls.append(f"rank {wr}: " + (PeerSpec(sw).describe(me_spec) if sw is not None else "another call"))
         why = (f"{NAMES.get(int(m[b]) & 15, '?')} sequence {seq} on group {g.name!r}: the ranks called "
                f"differently: " + "; ".join(calls))
-        pw = m[b - ENTERED + POISON]
-        if pw and not pw & agr.ACROSS:
-            # a member's report about an earlier call, which this rank had returned from (a root)
-            # before it came: the members raised it there, and a program that catches it made
-            # other calls after it than this rank, which raises it in its next call. Named, as
-            # the cause (the calls above may be only its consequence)
-            k, who = agr.poison_fields(pw)
-            if who != self.progress.wrank and k < seq and k > disp.raised:
-                rep = agr.report_of(self.progress, pw, g.name)
-                why += (f" (rank {self.progress.wrank} had returned from call {k} before rank {who}'s report about it "
-                        f"came; the ranks still in that call raised it there: {rep or 'its text no longer kept'})")
         return self._fire_mismatch(g, seq, why, waited)
 
     def _peer_specs(self, g, disp, seq, bad):
