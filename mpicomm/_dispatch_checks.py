@@ -262,18 +262,9 @@ class AgreementPaths:
         rows, known, one_refused = self._every_call(seq, True) if self.slots is not None else ({}, {}, False)
         fresh = err is not None or mine is None or not _clean(list(known.values()), one_refused)
         if peer is not None and self.slots is not None:
-            pw, st = ring_word(rows[peer], seq) if rows.get(peer) is not None else (0, "gone")
-            if st == "refused":   # (MPI's error here, where the first differing word is a member's
-                # that refused the call on another's report, whose first words name no call: the
-                # call that differs, where a member entered it, is named instead)
-                mw = self.mem[self.cb + (seq & CALLS_MASK)]
-                for j, row in sorted(rows.items()):
-                    w2, s2 = ring_word(row, seq) if row is not None else (0, "gone")
-                    if s2 == "entered" and w2 != mw and w2 & 0xFFFFFFFF in known:
-                        peer, pw, st = j, w2, s2
-                        break
             wr = g.ranks[peer]
             # (a peer that refused the call publishes no description: its refusal is the answer)
+            pw, st = ring_word(rows[peer], seq) if rows.get(peer) is not None else (0, "gone")
             sp = known.get(pw & 0xFFFFFFFF) if st == "entered" else None
             sw = sp.words() if sp is not None else (spec_words(rows[peer], seq) if st == "ahead" else None)
             refused = st == "refused"
@@ -330,22 +321,14 @@ class AgreementPaths:
                     clean = self._stand_in(code, specs[0])
                 except Exception:   # (MPI's error here, e.g. the members' own calls differ
                     clean = False   # in what a description does not show: the group starts afresh)
-            if e is None and who is not None:
-                # the reporter's final words: ``reason`` may be its first words, which name no
-                # call ("(rank 1 found it)"), as it was describing the calls still. Published as
-                # this rank's before its refusal is over (DONE), so that a member's watchdog
-                # that names this refusal (a member blocked in the call) and this rank's own
-                # later reports quote them. (Read after the stand-in: a refusing reporter
-                # decides after its own, which may need this rank's.)
-                text, _ = self._decision(who, seq)
-                if text and text != reason:
-                    self.rel.progress.set_reason(text, tag=reason_tag(g.name, seq))
         finally:
             m[b + AT_DONE] = m[b]
             self._after(seq, not clean)
             self._decide(seq, not clean)
         if e is not None:
             raise e
+        if who is not None:   # the reporter's final words (it may have been describing still)
+            text, _ = self._decision(who, seq)
         raise _peer_error(text or reason)
 
     def refuse_early(self, code, e):
